@@ -1,0 +1,148 @@
+"""What every attention variant shares: projections, heads, grouped-query attention, RoPE, KV cache.
+
+A variant subclasses `Attention` and implements only `attend` (plus its own parameters):
+
+    q (B, G*H, Tq, Dq), k (B, G*Hkv, Tk, Dq), v (B, Hkv, Tk, Dh)  ->  (B, H, Tq, Dh)
+
+H query heads, Hkv key/value heads (GQA when Hkv < H), Dh = d_model / H, G = `qk_groups` (q, k)
+pairs per head sharing one v (2 for differential attention) and Dq = Dh / G. The queries are the
+last Tq of the Tk positions (Tq < Tk when decoding with a KV cache); attention is always causal.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+from torch import nn
+
+
+def check_int(name: str, value: int, minimum: int = 1) -> None:
+    """Raises TypeError/ValueError naming `name` unless value is an int >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_finite_float(name: str, value: float, *, positive: bool = False) -> None:
+    """Raises TypeError/ValueError naming `name` unless value is a finite real (> 0 when `positive`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite float{' > 0' if positive else ''}, got {value}")
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions seen so far by one attention layer (incremental decoding)."""
+
+    k: torch.Tensor | None = None  # (B, G*Hkv, T, Dq), after RoPE
+    v: torch.Tensor | None = None  # (B, Hkv, T, Dh)
+
+    @property
+    def length(self) -> int:
+        """Number of cached positions: the position of the next token."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends the new positions' k and v; returns the keys and values of all positions."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoFormer), rotate-half layout, applied to q and k of any even head dim."""
+
+    def __init__(self, theta: float = 10000.0) -> None:
+        super().__init__()
+        check_finite_float("theta", theta, positive=True)
+        self.theta = theta
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Rotates x (B, H, T, D) as the positions start, ..., start + T - 1."""
+        t, d = x.shape[-2:]
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        inv_freq = self.theta ** -(torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)  # (D/2,)
+        angles = torch.arange(start, start + t, device=x.device, dtype=dtype)[:, None] * inv_freq  # (T, D/2)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # (T, D/2)
+        x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (B, H, T, D)
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta}"
+
+
+class Attention(nn.Module, ABC):
+    """Causal multi-head self-attention; subclasses implement `attend`. See the module docstring.
+
+    d_model: model width; n_heads: query heads (d_model % n_heads == 0); layer_index: depth of the
+    layer (0 = first), for variants whose initialisation depends on it; n_kv_heads: key/value heads
+    (divides n_heads; default n_heads). The projections have no bias.
+    """
+
+    qk_groups: ClassVar[int] = 1  # (q, k) pairs per head sharing one v
+
+    def __init__(self, d_model: int, n_heads: int, layer_index: int = 0, *, n_kv_heads: int | None = None) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            check_int(name, value)
+        check_int("layer_index", layer_index, minimum=0)
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        head_dim = d_model // n_heads
+        if head_dim % self.qk_groups:
+            raise ValueError(
+                f"{type(self).__name__} splits each head into {self.qk_groups} (q, k) pairs: the head dim "
+                f"d_model / n_heads ({head_dim}) must be divisible by {self.qk_groups}"
+            )
+        self.n_heads, self.n_kv_heads, self.layer_index = n_heads, n_kv_heads, layer_index
+        self.head_dim = head_dim  # Dh, of v and of the output
+        self.qk_head_dim = head_dim // self.qk_groups  # Dq, of q and k
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C). rope: rotate q and k by position; cache: the earlier positions'
+        k and v, which this call extends (x then holds the T positions after them)."""
+        b, t, _ = x.shape
+        g = self.qk_groups
+        q = self.q_proj(x).view(b, t, g * self.n_heads, self.qk_head_dim).transpose(1, 2)  # (B, G*H, T, Dq)
+        k = self.k_proj(x).view(b, t, g * self.n_kv_heads, self.qk_head_dim).transpose(1, 2)  # (B, G*Hkv, T, Dq)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
+        if rope is not None:
+            start = 0 if cache is None else cache.length
+            q, k = rope(q, start), rope(k, start)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, G*Hkv, Tk, Dq), (B, Hkv, Tk, Dh)
+        y = self.attend(q, k, v)  # (B, H, T, Dh)
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, G*H, Tq, Dq), k (B, G*Hkv, Tk, Dq), v (B, Hkv, Tk, Dh) -> (B, H, Tq, Dh), causal,
+        the queries being the last Tq positions."""
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}"
+
+
+class AttentionFactory(Protocol):
+    """Builds one layer's attention: a variant class, or (from a config) the class with its kwargs bound.
+
+    YAML: `attention: {class_path: lit_thresh.attention.ThresholdAttention, init_args: {beta: 1.0}}`.
+    """
+
+    def __call__(self, d_model: int, n_heads: int, layer_index: int, *, n_kv_heads: int | None = None) -> Attention: ...

@@ -1,0 +1,153 @@
+"""LightningModule for next-token language modelling: loss, metrics, optimizer and schedule."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+
+from lit_thresh.attention import AttentionFactory, SoftmaxAttention
+from lit_thresh.model import Positional, Transformer
+from lit_thresh.schedule import WarmupCosine
+
+IGNORE_INDEX = -100  # labels that are not supervised
+
+
+def token_metrics(vocab_size: int, perplexity: bool = True) -> nn.ModuleDict:
+    """Loss (mean over supervised tokens), token accuracy and optionally perplexity, for one data set."""
+    metrics = nn.ModuleDict(
+        {
+            "loss": MeanMetric(),
+            "acc": MulticlassAccuracy(vocab_size, average="micro", ignore_index=IGNORE_INDEX),
+        }
+    )
+    if perplexity:
+        metrics["ppl"] = Perplexity(ignore_index=IGNORE_INDEX)
+    return metrics
+
+
+class LanguageModel(L.LightningModule):
+    """A Transformer (lit_thresh.model) trained with cross-entropy on batch["labels"] (-100 = ignored).
+
+    Model arguments: see Transformer. optimizer: called with two parameter groups, the >= 2-D
+    weights (decayed) and the rest (weight_decay 0); lr_scheduler: called with the optimizer,
+    stepped every step (None = constant lr). Logs `train/{loss,acc}` per step and
+    `val/{loss,acc,ppl}` (`val/<name>/...` for the DataModule's other `val_set_names`), same for test.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 1,
+        n_kv_heads: int | None = None,
+        attention: AttentionFactory = SoftmaxAttention,
+        positional: Positional = "rope",
+        max_seq_len: int = 1024,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = Transformer(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            attention=attention,
+            positional=positional,
+            max_seq_len=max_seq_len,
+            mlp_ratio=mlp_ratio,
+            dropout=dropout,
+        )
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.train_metrics = token_metrics(vocab_size, perplexity=False)  # perplexity = exp(train/loss)
+        self.eval_metrics = nn.ModuleDict()  # "val" / "test" -> one token_metrics per data set, see setup
+        self.eval_prefixes: dict[str, list[str]] = {}
+
+    def setup(self, stage: str) -> None:
+        """One set of metrics per validation and test set, named by the DataModule's
+        `val_set_names` / `test_set_names` if it has them (the first set logs as plain `val/...`)."""
+        for split in ("val", "test"):
+            names = getattr(self.trainer.datamodule, f"{split}_set_names", None) or [split]
+            self.eval_prefixes[split] = [split] + [f"{split}/{name}" for name in names[1:]]
+            self.eval_metrics[split] = nn.ModuleList(token_metrics(self.hparams.vocab_size) for _ in names)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) -> next-token logits (B, T, V)."""
+        return self.model(idx)
+
+    def _step(self, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict, prefix: str, **log_kwargs) -> torch.Tensor:
+        labels = batch["labels"]  # (B, T)
+        logits = self(batch["input_ids"])  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        metrics["loss"](loss, (labels != IGNORE_INDEX).sum())  # weighted by the supervised tokens
+        metrics["acc"](logits.argmax(dim=-1), labels)
+        if "ppl" in metrics:
+            metrics["ppl"](logits.float(), labels)
+        for name, metric in metrics.items():
+            self.log(f"{prefix}/{name}", metric, add_dataloader_idx=False, **log_kwargs)
+        return loss
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], split: str, dataloader_idx: int) -> None:
+        prefixes = self.eval_prefixes[split]
+        if dataloader_idx >= len(prefixes):
+            raise ValueError(
+                f"{split} dataloader {dataloader_idx} has no name: a DataModule with several {split} "
+                f"dataloaders must expose `{split}_set_names`, one name per dataloader"
+            )
+        prefix = prefixes[dataloader_idx]
+        self._step(batch, self.eval_metrics[split][dataloader_idx], prefix, prog_bar=prefix == split)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, self.train_metrics, "train", on_step=True, on_epoch=False, prog_bar=True)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step(batch, "val", dataloader_idx)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step(batch, "test", dataloader_idx)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Next-token logits (B, T, V) of batch["input_ids"]."""
+        return self(batch["input_ids"])
+
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Continues the prompts idx (B, T) by max_new_tokens tokens with a KV cache; see Transformer.generate."""
+        return self.model.generate(idx, max_new_tokens, temperature, top_k)
+
+    def on_train_start(self) -> None:
+        n_params = sum(p.numel() for p in self.parameters())
+        rank_zero_info(f"{type(self.model.blocks[0].attn).__name__} model: {n_params:,} parameters")
+        self.log("n_params", float(n_params), rank_zero_only=True)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = self.optimizer(
+            [
+                {"params": [p for p in params if p.dim() >= 2]},  # matmul and embedding weights
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norms, beta, lambda
+            ]
+        )
+        if self.lr_scheduler is None:
+            return optimizer
+        scheduler = self.lr_scheduler(optimizer)
+        if isinstance(scheduler, WarmupCosine) and scheduler.max_steps is None:
+            total_steps = self.trainer.estimated_stepping_batches  # inf when training length is unbounded
+            if math.isfinite(total_steps):
+                scheduler.max_steps = int(total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

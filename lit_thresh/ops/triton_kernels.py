@@ -1,0 +1,318 @@
+"""Triton kernels of causal threshold rectified attention (forward, backward dK/dV, backward dQ/dbeta).
+
+Notation, per (batch, query head): x_ij = scale * q_i.k_j - tau_i for key j <= pos_i (else 0),
+P = ReLU(x)^p, out = P V. Backward: dP = dO V^T, dS = dP * p ReLU(x)^(p-1),
+dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K, dbeta = -sum_ij dS_ij * gain_i.
+
+Key blocks above the diagonal are never visited; blocks wholly below it run without the causal mask,
+only the diagonal blocks pay for it. Accumulation is fp32; the P and dS tiles go into the tensor-core
+dot in the input dtype. For fp16, rows of those tiles are first scaled by a power of two into fp16's
+range (ReLU(x)^p can exceed 65504 where the output is still finite), and the product scaled back in fp32.
+"""
+
+import triton
+import triton.language as tl
+
+# In fp16, P / dS rows are scaled so that their largest entry is at most 2**FP16_TILE_EXP.
+FP16_TILE_EXP = tl.constexpr(14.0)
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a 2-D tile, zero outside [0, n_rows) x [0, n_cols) where asked to check."""
+    if CHECK_ROWS and CHECK_COLS:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
+    elif CHECK_ROWS:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0.0)
+    elif CHECK_COLS:
+        return tl.load(ptrs, mask=(cols < n_cols)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _store_tile(ptrs, value, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr):
+    if CHECK_COLS:
+        tl.store(ptrs, value, mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
+    else:
+        tl.store(ptrs, value, mask=(rows < n_rows)[:, None])
+
+
+@triton.jit
+def _gain(pos, gain_coef):
+    """sqrt(2 ln(pos + 1) / d) for integer positions; tau = beta * gain."""
+    return tl.sqrt(gain_coef * tl.log(pos.to(tl.float32) + 1.0))
+
+
+@triton.jit
+def _rectify(x, power, POWER_MODE: tl.constexpr):
+    """ReLU(x)^p. POWER_MODE 1: p = 1, 2: p = 2, 0: any p > 0 (exp2(p log2 x), no bias)."""
+    if POWER_MODE == 1:
+        return tl.maximum(x, 0.0)
+    elif POWER_MODE == 2:
+        return tl.maximum(x, 0.0) * tl.maximum(x, 0.0)
+    else:
+        return tl.where(x > 0.0, tl.exp2(power * tl.log2(tl.maximum(x, 1e-30))), 0.0)
+
+
+@triton.jit
+def _rectify_grad(x, p_val, power, POWER_MODE: tl.constexpr):
+    """d ReLU(x)^p / dx = p x^(p-1) for x > 0, else 0, given p_val = ReLU(x)^p."""
+    if POWER_MODE == 1:
+        return tl.where(x > 0.0, 1.0, 0.0)
+    elif POWER_MODE == 2:
+        return 2.0 * tl.maximum(x, 0.0)
+    else:
+        return tl.where(x > 0.0, power * p_val / tl.maximum(x, 1e-30), 0.0)
+
+
+@triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b on tensor cores. UPCAST (the interpreter with bf16 only: it cannot multiply bf16)
+    multiplies the same bf16-rounded values in fp32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b with the fp32 tile a cast to b's dtype (kept in fp16's range when FP16_RANGE)."""
+    if FP16_RANGE:
+        amax = tl.max(tl.abs(a), axis=1)  # (M,)
+        row_scale = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0))) - FP16_TILE_EXP, 0.0))  # (M,) powers of two
+        prod = _mma((a / row_scale[:, None]).to(b.dtype), b, None, PRECISION, UPCAST)
+        return acc + row_scale[:, None] * prod
+    else:
+        return _mma(a.to(b.dtype), b, acc, PRECISION, UPCAST)
+
+
+@triton.jit
+def _fwd_inner(
+    acc, q, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    TK, scale, power, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd
+        k = _load_tile(k_ptrs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = _load_tile(v_ptrs, offs_n, TK, offs_dv, DV, CAUSAL_MASK, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+        x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        if CAUSAL_MASK:
+            x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
+        acc = _dot_acc(_rectify(x, power, POWER_MODE), v, acc, FP16_RANGE, PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
+def threshold_fwd_kernel(
+    Q, K, V, O, BETA,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    H, GROUP, TQ, TK, scale, power, gain_coef,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    past = TK - TQ
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
+    q = _load_tile(q_ptrs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    pos = offs_m + past  # absolute positions (BLOCK_M,)
+    tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
+
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    first_row = past + pid_m * BLOCK_M
+    n_full = (first_row + 1) // BLOCK_N * BLOCK_N  # keys [0, n_full) are visible to every row
+    n_end = tl.minimum(first_row + BLOCK_M, TK)  # no row sees a key at or past n_end
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    acc = _fwd_inner(acc, q, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                     TK, scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+    acc = _fwd_inner(acc, q, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                     TK, scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od
+    _store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, TQ, offs_dv, DV, DV != BLOCK_DV)
+
+
+@triton.jit
+def _bwd_dkv_inner(
+    dk, dv, k, v, offs_n, q_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+    beta, past, TQ, scale, power, gain_coef, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                       offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        do = _load_tile(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
+                        offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+        pos = offs_m + past
+        tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
+        x_t = _mma(k, tl.trans(q), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
+        if CAUSAL_MASK:
+            x_t = tl.where(offs_n[:, None] <= pos[None, :], x_t, 0.0)
+        p_t = _rectify(x_t, power, POWER_MODE)
+        dv = _dot_acc(p_t, do, dv, FP16_RANGE, PRECISION, UPCAST)
+        dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
+        ds_t = dp_t * _rectify_grad(x_t, p_t, power, POWER_MODE)
+        dk = _dot_acc(ds_t, q, dk, FP16_RANGE, PRECISION, UPCAST)
+    return dk, dv
+
+
+@triton.jit
+def threshold_bwd_dkv_kernel(
+    Q, K, V, dO, dK, dV, BETA,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+    HKV, GROUP, TQ, TK, scale, power, gain_coef,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One program: BLOCK_N keys of one (batch, kv head), summing over the GROUP query heads that share
+    them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    past = TK - TQ
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_tile(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                   offs_n, TK, offs_d, D, True, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    v = _load_tile(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                   offs_n, TK, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+
+    first_key = pid_n * BLOCK_N
+    # query rows m see the block when pos_m >= first_key, all of it when pos_m >= first_key + BLOCK_N - 1
+    m_lo = tl.maximum(first_key - past, 0) // BLOCK_M * BLOCK_M
+    m_full = tl.minimum(tl.cdiv(tl.maximum(first_key + BLOCK_N - 1 - past, 0), BLOCK_M) * BLOCK_M, TQ)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        beta = tl.load(BETA + h)
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = dO + b * stride_dob + h * stride_doh
+        dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+                                beta, past, TQ, scale, power, gain_coef, m_lo, m_full,
+                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+        dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+                                beta, past, TQ, scale, power, gain_coef, m_full, TQ,
+                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+
+    dk_ptrs = dK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
+    dv_ptrs = dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
+    _store_tile(dk_ptrs, (dk * scale).to(dK.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
+    _store_tile(dv_ptrs, dv.to(dV.dtype.element_ty), offs_n, TK, offs_dv, DV, DV != BLOCK_DV)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, ds_sum, q, do, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    TK, scale, power, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BETA_GRAD: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                       offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                       offs_n, TK, offs_dv, DV, CAUSAL_MASK, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+        x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        if CAUSAL_MASK:
+            x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
+        dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
+        ds = dp * _rectify_grad(x, _rectify(x, power, POWER_MODE), power, POWER_MODE)
+        dq = _dot_acc(ds, k, dq, FP16_RANGE, PRECISION, UPCAST)
+        if BETA_GRAD:
+            ds_sum += tl.sum(ds, axis=1)
+    return dq, ds_sum
+
+
+@triton.jit
+def threshold_bwd_dq_kernel(
+    Q, K, V, dO, dQ, DBETA_ROWS, BETA,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    H, GROUP, TQ, TK, scale, power, gain_coef,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BETA_GRAD: tl.constexpr,
+):
+    """One program: dQ of BLOCK_M queries of one (batch, head), and their per-row dbeta terms
+    -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    past = TK - TQ
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                   offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    do = _load_tile(dO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
+                    offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+    pos = offs_m + past
+    gain = _gain(pos, gain_coef)
+    tau = tl.load(BETA + h) * gain  # (BLOCK_M,)
+
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    first_row = past + pid_m * BLOCK_M
+    n_full = (first_row + 1) // BLOCK_N * BLOCK_N
+    n_end = tl.minimum(first_row + BLOCK_M, TK)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                               TK, scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                               TK, scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+
+    dq_ptrs = dQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
+    _store_tile(dq_ptrs, (dq * scale).to(dQ.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    if BETA_GRAD:
+        tl.store(DBETA_ROWS + pid_bh.to(tl.int64) * TQ + offs_m, -gain * ds_sum, mask=offs_m < TQ)

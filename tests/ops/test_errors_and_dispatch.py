@@ -1,0 +1,147 @@
+"""Bad arguments give clear errors naming the argument; each dispatch branch goes where it should."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lit_thresh.ops import differential_threshold_rela_triton, threshold_attention, threshold_rela_triton
+from lit_thresh.ops.function import resolve_backend
+from tests.ops.helpers import generator, randn
+
+
+def _qkv(hq=2, hkv=2, tq=8, tk=8, d=16, dv=16, b=1, dtype=torch.float32):
+    gen = generator("errors", hq, hkv, tq, tk, d, dv, b)
+    return (randn(gen, b, hq, tq, d, dtype=dtype), randn(gen, b, hkv, tk, d, dtype=dtype),
+            randn(gen, b, hkv, tk, dv, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dims"),
+        (lambda q, k, v: (q, k, v.unsqueeze(0)), ValueError, "v must have 4 dims"),
+        (lambda q, k, v: (q, k.expand(2, -1, -1, -1), v), ValueError, "batch size"),
+        (lambda q, k, v: (q, k[..., :8], v), ValueError, "same head dim"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), ValueError, "same sequence length"),
+        (lambda q, k, v: (q, k[:, :, :4], v[:, :, :4]), ValueError, r"q's sequence length \(8\) must be <= k's \(4\)"),
+        (lambda q, k, v: (torch.cat([q, q[:, :1]], 1), k, v), ValueError, "multiple of k's and v's heads"),
+        (lambda q, k, v: (q, k, v[:, :1]), ValueError, "k and v must have the same number of heads"),
+        (lambda q, k, v: (q.half(), k, v), TypeError, "share one dtype"),
+        (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, "q must be float16, bfloat16, float32 or float64"),
+        (lambda q, k, v: (q, k.to("meta"), v), ValueError, "on one device"),
+        (lambda q, k, v: (q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
+    ],
+)
+def test_bad_tensors(make, error, match):
+    with pytest.raises(error, match=match):
+        threshold_attention(*make(*_qkv()))
+
+
+def test_head_dim_over_256():
+    q, k, v = _qkv(d=264, dv=16)
+    with pytest.raises(ValueError, match=r"q/k head dim must be in \[1, 256\], got 264"):
+        threshold_attention(q, k, v)
+    q, k, v = _qkv(d=16, dv=300)
+    with pytest.raises(ValueError, match=r"v head dim must be in \[1, 256\], got 300"):
+        threshold_attention(q, k, v)
+
+
+@pytest.mark.parametrize("power", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_power(power):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="power must be a finite float > 0"):
+        threshold_attention(q, k, v, 1.0, power)
+    with pytest.raises(ValueError, match="relu_power must be a finite float > 0"):
+        threshold_rela_triton(q, k, v, 1.0, power)
+    with pytest.raises(ValueError, match="relu_power must be a finite float > 0"):
+        differential_threshold_rela_triton(q, q, k, k, v, 1.0, 0.5, relu_power=power)
+
+
+@pytest.mark.parametrize(
+    "beta, error, match",
+    [
+        (torch.ones(3), ValueError, r"beta must be .* \(2,\) tensor"),
+        (torch.ones(2, 1), ValueError, "beta must be"),
+        (torch.ones(2, dtype=torch.long), TypeError, "floating-point"),
+        ("1.0", TypeError, "beta must be a finite float or a tensor"),
+        (float("nan"), TypeError, "beta must be a finite float"),
+    ],
+)
+def test_bad_beta(beta, error, match):
+    with pytest.raises(error, match=match):
+        threshold_attention(*_qkv(), beta)
+
+
+def test_bad_scale_backend_and_lambda():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="scale must be a finite float"):
+        threshold_attention(q, k, v, scale=float("inf"))
+    with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch'"):
+        threshold_attention(q, k, v, backend="cuda")
+    with pytest.raises(ValueError, match=r"lambda_param must be .* \(2,\) tensor"):
+        differential_threshold_rela_triton(q, q, k, k, v, 1.0, torch.ones(5))
+
+
+def test_dispatch_branches(monkeypatch):
+    cpu32 = torch.empty(1, 1, 1, 16)
+    assert resolve_backend("auto", cpu32.double()) == "torch"  # float64 always takes the PyTorch path
+    assert resolve_backend("torch", cpu32) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("auto", cpu32) == "triton"  # CI: CPU tensors run the kernels in the interpreter
+    with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
+        resolve_backend("triton", cpu32.double())
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert resolve_backend("auto", cpu32) == "torch"  # plain CPU training: blockwise PyTorch
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        resolve_backend("triton", cpu32)
+
+
+@pytest.mark.gpu
+def test_dispatch_cuda():
+    assert resolve_backend("auto", torch.empty(1, 1, 1, 16, device="cuda")) == "triton"
+
+
+def test_kernels_compile_for_hopper(tmp_path):
+    """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile every
+    kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed)."""
+    script = textwrap.dedent(
+        """
+        import itertools, triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from lit_thresh.ops import triton_kernels as tk
+
+        pointers = {"threshold_fwd_kernel": 5, "threshold_bwd_dkv_kernel": 7, "threshold_bwd_dq_kernel": 7}
+        for (name, n_ptr), (dtype, d, power_mode) in itertools.product(
+            pointers.items(), [("fp16", 48, 0), ("bf16", 64, 2), ("fp32", 128, 1)]
+        ):
+            kernel = getattr(tk, name)
+            consts = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
+                          BLOCK_M=64, BLOCK_N=64, POWER_MODE=power_mode, FP16_RANGE=dtype == "fp16",
+                          PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False)
+            if name == "threshold_bwd_dq_kernel":
+                consts["BETA_GRAD"] = True
+            sig = {}
+            for i, arg in enumerate(kernel.arg_names):
+                if arg in consts:
+                    sig[arg] = "constexpr"
+                elif i < n_ptr:
+                    sig[arg] = "*fp32" if arg in ("BETA", "DBETA_ROWS") else f"*{dtype}"
+                elif arg in ("scale", "power", "gain_coef"):
+                    sig[arg] = "fp32"
+                else:
+                    sig[arg] = "i32"
+            triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        print("compiled")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

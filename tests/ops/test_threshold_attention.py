@@ -1,0 +1,216 @@
+"""threshold_attention (Triton kernels and the blockwise PyTorch path) against the float64 reference.
+
+On CPU the Triton kernels run through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
+the `gpu`-marked cases run the same checks on CUDA (`pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_thresh.ops import threshold_attention
+from lit_thresh.ops.reference import threshold_attention_reference
+from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, randn, reference_with_grads, rel_err
+
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _check(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, power, scale=1.0, layout="bhtd"):
+    """Run forward + backward and compare output and every gradient with the reference."""
+    gen = generator(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, power, scale, layout)
+
+    def make(h, t, dim):
+        if layout == "bthd":  # a (B, T, H, D) tensor seen as (B, H, T, D): non-contiguous
+            return randn(gen, b, t, h, dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
+        if layout == "sliced":  # every other position and a slice of a wider head dim
+            return randn(gen, b, h, 2 * t, dim + 3, dtype=dtype, device=device)[:, :, ::2, 1 : dim + 1].requires_grad_()
+        return randn(gen, b, h, t, dim, dtype=dtype, device=device).requires_grad_()
+
+    q, k, v = make(hq, tq, d), make(hkv, tk, d), make(hkv, tk, dv)
+    beta_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # a parameter's dtype
+    if beta == "per_head":
+        beta = randn(gen, hq, device=device, dtype=beta_dtype).requires_grad_()
+    elif beta == "scalar_tensor":
+        beta = randn(gen, device=device, dtype=beta_dtype).requires_grad_()
+    out = threshold_attention(q, k, v, beta, power, scale=scale, backend=backend)
+    assert out.shape == (b, hq, tq, dv) and out.dtype == dtype
+    dout = randn(gen, b, hq, tq, dv, dtype=dtype, device=device)
+    wrt = [q, k, v] + ([beta] if isinstance(beta, torch.Tensor) else [])
+    grads = torch.autograd.grad(out, wrt, dout)
+    ref, ref_grads = reference_with_grads(q, k, v, beta, power, scale, dout)
+
+    assert all(g.dtype == t.dtype and g.shape == t.shape for g, t in zip(grads, wrt))
+    out_err = rel_err(out, ref)
+    assert out_err < TOLERANCE[dtype], f"out: {out_err:.2e}"
+    grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
+    grad_errs = {n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv", "dbeta"), grads, ref_grads)}
+    assert all(e < grad_tol for e in grad_errs.values()), f"tolerance {grad_tol}: {grad_errs}"
+
+
+# (B, Hq, Hkv, Tq, Tk, D, Dv): odd lengths, non-power-of-two head dims, Tq < Tk, GQA, Dv != D.
+SHAPES = [
+    (1, 1, 1, 1, 1, 16, 16),
+    (2, 2, 2, 17, 17, 48, 48),
+    (1, 2, 1, 100, 100, 80, 80),
+    (1, 1, 1, 129, 129, 128, 128),
+    (2, 4, 2, 33, 100, 16, 48),
+    (1, 3, 1, 1, 129, 64, 64),
+    (1, 2, 2, 70, 70, 256, 32),
+    (1, 1, 1, 65, 65, 8, 24),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_matches_reference_over_shapes(device, shape, dtype):
+    _check(device, dtype, "triton", *shape, beta="per_head", power=2.0)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("power", [0.5, 1.0, 1.5, 2.0, 3.0])
+@pytest.mark.parametrize("beta", [-1.5, 0.0, 2.0, "scalar_tensor", "per_head"])
+def test_triton_powers_and_betas(device, power, beta):
+    _check(device, torch.float32, "triton", 2, 2, 1, 40, 57, 48, 48, beta=beta, power=power, scale=0.5)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("power", [0.5, 1.0, 1.5, 2.0, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_triton_low_precision_powers(device, power, dtype):
+    _check(device, dtype, "triton", 1, 2, 2, 50, 50, 32, 32, beta="per_head", power=power, scale=0.3)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("layout", ["bthd", "sliced"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_non_contiguous_inputs(device, layout, dtype):
+    _check(device, dtype, "triton", 2, 4, 2, 37, 45, 48, 48, beta="per_head", power=2.0, layout=layout)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:6], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("power", [0.5, 1.0, 2.0, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_torch_path_matches_reference(shape, power, dtype):
+    _check("cpu", dtype, "torch", *shape, beta="per_head", power=power, layout="bthd")
+
+
+def test_fp16_does_not_overflow_where_the_result_is_finite():
+    """Scores of ~300 give P = ReLU(s)^2 ~ 9e4 > 65504 (fp16 max); with small V the output is finite."""
+    gen = generator("fp16-range")
+    q = randn(gen, 1, 2, 64, 32, scale=4.0, dtype=torch.float16).requires_grad_()
+    k = randn(gen, 1, 2, 64, 32, scale=4.0, dtype=torch.float16).requires_grad_()
+    v = randn(gen, 1, 2, 64, 32, scale=1e-3, dtype=torch.float16).requires_grad_()
+    scores = (q.double() @ k.double().transpose(-1, -2)).tril()
+    assert scores.max() ** 2 > 65504, "the test must drive P out of fp16 range"
+    out = threshold_attention(q, k, v, 0.5, 2.0, backend="triton")
+    dout = randn(gen, *out.shape, scale=1e-3, dtype=torch.float16)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, ref_grads = reference_with_grads(q, k, v, 0.5, 2.0, 1.0, dout)
+    assert ref.abs().max() < 65504 and all(r.abs().max() < 65504 for r in ref_grads)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    assert rel_err(out, ref) < TOLERANCE[torch.float16]
+    assert all(rel_err(g, r) < TOLERANCE[torch.float16] for g, r in zip(grads, ref_grads))
+
+
+def test_masked_keys_contribute_nothing_for_negative_beta():
+    """With beta < 0, ReLU(0 - tau) > 0: a leaking mask would show up as output from future keys."""
+    gen = generator("future")
+    q, k, v = (randn(gen, 1, 1, 20, 16) for _ in range(3))
+    v_future = v.clone()
+    v_future[..., 10:, :] += 100.0
+    for backend in ("triton", "torch"):
+        a = threshold_attention(q, k, v, -3.0, 2.0, backend=backend)
+        b = threshold_attention(q, k, v_future, -3.0, 2.0, backend=backend)
+        torch.testing.assert_close(a[..., :10, :], b[..., :10, :], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16), (64, 16), (16, 64)])
+def test_triton_block_shapes(blocks):
+    """Diagonal-block logic with BLOCK_M != BLOCK_N, called through the launchers directly."""
+    from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs, triton_backward, triton_forward
+
+    cfg = BlockConfig(*blocks)
+    configs = KernelConfigs(cfg, cfg, cfg)
+    gen = generator("blocks", blocks)
+    q, k, v = randn(gen, 1, 2, 77, 32), randn(gen, 1, 1, 90, 32), randn(gen, 1, 1, 90, 16)
+    beta = randn(gen, 2)
+    out = triton_forward(q, k, v, beta, 1.5, 0.7, configs)
+    dout = randn(gen, *out.shape)
+    dq, dk, dv, dbeta = triton_backward(q, k, v, beta, 1.5, 0.7, dout, True, configs)
+    ref, (rq, rk, rv, rb) = reference_with_grads(q, k, v, beta, 1.5, 0.7, dout)
+    for got, want in ((out, ref), (dq, rq), (dk, rk), (dv, rv), (dbeta, rb)):
+        assert rel_err(got, want) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_dbeta_is_deterministic(backend):
+    gen = generator("det", backend)
+    q, k, v = (randn(gen, 2, 2, 50, 16) for _ in range(3))
+    beta = torch.tensor([0.3, -0.2], requires_grad=True)
+
+    def dbeta():
+        return torch.autograd.grad(threshold_attention(q, k, v, beta, 2.0, backend=backend).sum(), beta)[0]
+
+    assert torch.equal(dbeta(), dbeta())
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_saves_only_inputs_no_quadratic_state(backend):
+    """Autograd keeps q, k, v and beta: nothing of size Tq x Tk, no fp32 copies of bf16 inputs."""
+    gen = generator("saved", backend)
+    q, k, v = (randn(gen, 1, 2, 200, 16, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        threshold_attention(q, k, v, 1.0, 2.0, backend=backend)
+    assert sorted(t.numel() for t in saved) == [2, 6400, 6400, 6400]
+    assert all(t.dtype == torch.bfloat16 for t in saved if t.numel() > 2)
+
+
+def test_torch_path_never_materialises_the_score_matrix():
+    """Every intermediate of the blockwise path, forward and backward, is O(T * block), not O(T^2)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lit_thresh.ops.chunked import QUERY_BLOCK
+
+    class LargestTensor(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    LargestTensor.largest = max(LargestTensor.largest, t.numel())
+            return out
+
+    t = 4 * QUERY_BLOCK
+    q, k, v = (torch.randn(1, 1, t, 16, requires_grad=True) for _ in range(3))
+    with LargestTensor():
+        threshold_attention(q, k, v, 1.0, 2.0, backend="torch").sum().backward()
+    assert LargestTensor.largest == QUERY_BLOCK * t  # one block of scores: (block, T), never (T, T)
+
+
+def test_autocast_casts_inputs_to_the_autocast_dtype():
+    gen = generator("autocast")
+    q, k, v = (randn(gen, 1, 2, 20, 16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = threshold_attention(q, k, v.bfloat16(), 1.0, 2.0)  # mixed dtypes are fine under autocast
+    assert out.dtype == torch.bfloat16
+    ref = threshold_attention_reference(*(t.bfloat16().double() for t in (q, k, v)), 1.0, 2.0)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_empty_batch_returns_empty_output():
+    q = torch.randn(0, 2, 5, 16)
+    assert threshold_attention(q, q, q).shape == (0, 2, 5, 16)
+
+
+def test_beta_gradient_has_beta_shape():
+    """A scalar beta tensor gets a scalar gradient; a (H,) beta gets (H,)."""
+    gen = generator("beta-shape")
+    q, k, v = (randn(gen, 1, 3, 9, 16) for _ in range(3))
+    for beta in (torch.tensor(0.5, requires_grad=True), torch.full((3,), 0.5, requires_grad=True)):
+        (g,) = torch.autograd.grad(threshold_attention(q, k, v, beta).sum(), beta)
+        assert g.shape == beta.shape

@@ -1,0 +1,89 @@
+"""Every YAML under configs/ parses and trains a few steps on CPU (tiny overrides, nothing downloaded)."""
+
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_thresh.cli import main
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+YAMLS = sorted(CONFIGS.rglob("*.yaml"))
+GROUPS = ("trainer", "model", "data")
+TINY_TRAINER = [
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+    "--trainer.max_epochs=1",
+    "--trainer.max_steps=2",
+    "--trainer.limit_train_batches=2",
+    "--trainer.val_check_interval=1",
+    "--trainer.limit_val_batches=1",
+    "--trainer.limit_test_batches=1",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.enable_checkpointing=false",
+]
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
+
+
+def is_piece(path: Path) -> bool:
+    """A group piece (`--data configs/data/mqar.yaml`) rather than a whole config."""
+    return not set(GROUPS) & set(yaml.safe_load(path.read_text()))
+
+
+def data_class_path(path: Path) -> str:
+    data = yaml.safe_load(path.read_text())["data"]
+    if isinstance(data, str):  # a nested piece, relative to the config
+        data = yaml.safe_load((path.parent / data).read_text())
+    return data["class_path"]
+
+
+@pytest.fixture
+def offline_cpu(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU runs take the PyTorch kernels
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    return tmp_path
+
+
+def tiny_data(path: Path, workdir: Path) -> list[str]:
+    """Overrides that shrink the config's data to a few small batches (and a local text file)."""
+    class_path = data_class_path(path)
+    if class_path.endswith("MQARDataModule"):
+        return ["--data.init_args.batch_size=4"]
+    if class_path.endswith("TextDataModule"):
+        words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+        rng = random.Random(0)
+        text = workdir / "input.txt"
+        text.write_text("\n".join(" ".join(rng.choices(words, k=12)).capitalize() + "." for _ in range(400)))
+        return [
+            "--data.init_args.path=text",
+            "--data.init_args.name=null",
+            f"--data.init_args.data_files={text}",
+            "--data.init_args.block_size=32",
+            "--data.init_args.batch_size=2",
+            "--data.init_args.num_proc=null",
+            "--data.init_args.num_workers=0",
+            f"--data.init_args.cache_dir={workdir / 'hf_cache'}",
+        ]
+    raise AssertionError(f"{path}: no tiny overrides for data class {class_path}")
+
+
+@pytest.mark.parametrize("path", [p for p in YAMLS if not is_piece(p)], ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_config_trains(path, offline_cpu):
+    args = ["--config", str(path), *TINY_TRAINER, *tiny_data(path, offline_cpu)]
+    main(["fit", *args])
+    assert list(offline_cpu.glob("lightning_logs/**/events.out.tfevents.*"))
+    if data_class_path(path).endswith("MQARDataModule"):
+        main(["test", *args])  # the longer test sets fit the model's max_seq_len
+
+
+@pytest.mark.parametrize("path", [p for p in YAMLS if is_piece(p)], ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_piece_parses(path, capsys):
+    group = path.parent.name
+    assert group in GROUPS, f"{path}: a piece lives in configs/<group>/, group one of {GROUPS}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), f"--{group}", str(path), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert yaml.safe_load(capsys.readouterr().out)[group]
