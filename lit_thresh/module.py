@@ -121,8 +121,8 @@ class LanguageModel(L.LightningModule):
         self._eval_step(batch, "test", dataloader_idx)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Next-token logits (B, T, V) of batch["input_ids"]."""
-        return self(batch["input_ids"])
+        """Greedy next-token predictions (B, T) of batch["input_ids"] (full logits would be (B, T, V))."""
+        return self(batch["input_ids"]).argmax(dim=-1)
 
     def generate(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
@@ -133,7 +133,7 @@ class LanguageModel(L.LightningModule):
     def on_train_start(self) -> None:
         n_params = sum(p.numel() for p in self.parameters())
         rank_zero_info(f"{type(self.model.blocks[0].attn).__name__} model: {n_params:,} parameters")
-        self.log("n_params", float(n_params), rank_zero_only=True)
+        self.log("n_params", float(n_params), sync_dist=True)  # the same on every rank
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
