@@ -40,10 +40,10 @@ class LitThreshCLI(LightningCLI):
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
 
-def main(args: ArgsType = None) -> None:
-    """Entry point of ``lit_thresh`` and ``python -m lit_thresh``."""
+def build_cli(args: ArgsType = None, run: bool = True) -> LitThreshCLI:
+    """The ``lit_thresh`` command's LightningCLI; with ``run=False`` it only builds model, data and trainer."""
     bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    LitThreshCLI(
+    return LitThreshCLI(
         LanguageModel,
         LightningDataModule,
         subclass_mode_data=True,
@@ -59,4 +59,10 @@ def main(args: ArgsType = None) -> None:
             "callbacks": [HparamsWithMetrics()],
         },
         args=args,
+        run=run,
     )
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of ``lit_thresh`` and ``python -m lit_thresh``."""
+    build_cli(args)

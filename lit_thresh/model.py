@@ -140,7 +140,8 @@ class Transformer(nn.Module):
         """Appends max_new_tokens sampled tokens to the prompts idx (B, T), decoding with a KV cache.
 
         temperature 0 = greedy; top_k: sample among the k most likely tokens only. Call `.eval()`
-        first to turn dropout off. Returns (B, T + max_new_tokens).
+        first to turn dropout off. With learned positions, once the sequence outgrows max_seq_len each
+        step re-reads the last max_seq_len tokens (as nanoGPT). Returns (B, T + max_new_tokens).
         """
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         if not temperature >= 0:
@@ -150,6 +151,8 @@ class Transformer(nn.Module):
         caches = self.new_caches()
         tokens = idx  # the prompts first, then one new token per step
         for _ in range(max_new_tokens):
+            if self.pos_emb is not None and caches[0].length + tokens.shape[1] > self.max_seq_len:
+                caches, tokens = self.new_caches(), idx[:, -self.max_seq_len :]  # slide the window
             logits = self(tokens, caches)[:, -1]  # (B, V)
             tokens = sample(logits, temperature, top_k)  # (B, 1)
             idx = torch.cat([idx, tokens], dim=1)
