@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
 
+from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.reference import threshold_attention_reference
 
 # ||out - ref|| / ||ref|| bounds, forward and gradients, against a float64 reference computed from the
@@ -39,3 +41,42 @@ def reference_with_grads(q, k, v, beta, power, scale, dout):
     wrt = [q64, k64, v64] + ([beta64] if isinstance(beta, torch.Tensor) else [])
     grads = torch.autograd.grad(out, wrt, dout.double())
     return out, grads
+
+
+def check_against_reference(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, power, scale=1.0, layout="bhtd") -> bool:
+    """Run forward + backward and compare output and every gradient with the reference (True when compared)."""
+    gen = generator(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, power, scale, layout)
+
+    def make(h, t, dim):
+        if layout == "bthd":  # a (B, T, H, D) tensor seen as (B, H, T, D): non-contiguous
+            return randn(gen, b, t, h, dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
+        if layout == "sliced":  # every other position and a slice of a wider head dim
+            return randn(gen, b, h, 2 * t, dim + 3, dtype=dtype, device=device)[:, :, ::2, 1 : dim + 1].requires_grad_()
+        return randn(gen, b, h, t, dim, dtype=dtype, device=device).requires_grad_()
+
+    q, k, v = make(hq, tq, d), make(hkv, tk, d), make(hkv, tk, dv)
+    beta_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # a parameter's dtype
+    if beta == "per_head":
+        beta = randn(gen, hq, device=device, dtype=beta_dtype).requires_grad_()
+    elif beta == "scalar_tensor":
+        beta = randn(gen, device=device, dtype=beta_dtype).requires_grad_()
+    out = threshold_attention(q, k, v, beta, power, scale=scale, backend=backend)
+    assert out.shape == (b, hq, tq, dv) and out.dtype == dtype
+    dout = randn(gen, b, hq, tq, dv, dtype=dtype, device=device)
+    wrt = [q, k, v] + ([beta] if isinstance(beta, torch.Tensor) else [])
+    grads = torch.autograd.grad(out, wrt, dout)
+    ref, ref_grads = reference_with_grads(q, k, v, beta, power, scale, dout)
+
+    assert all(g.dtype == t.dtype and g.shape == t.shape for g, t in zip(grads, wrt))
+    # No kernel beats the exact result rounded to the output dtype (fp16 subnormals, say): that
+    # rounding error is added to each bound. If the exact result overflows the dtype, there is
+    # nothing to compare: return False (property tests discard such draws).
+    floors = [rel_err(r.to(t.dtype), r) for r, t in zip((ref, *ref_grads), (out, *wrt))]
+    if not all(math.isfinite(f) for f in floors):
+        return False
+    out_err = rel_err(out, ref)
+    assert out_err < TOLERANCE[dtype] + floors[0], f"out: {out_err:.2e}"
+    grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
+    grad_errs = {n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv", "dbeta"), grads, ref_grads)}
+    assert all(e < grad_tol + f for e, f in zip(grad_errs.values(), floors[1:])), f"tolerance {grad_tol}: {grad_errs}"
+    return True

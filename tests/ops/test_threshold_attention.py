@@ -11,42 +11,10 @@ import torch
 
 from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.reference import threshold_attention_reference
-from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, randn, reference_with_grads, rel_err
+from tests.ops.helpers import TOLERANCE, check_against_reference, generator, randn, reference_with_grads, rel_err
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _check(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, power, scale=1.0, layout="bhtd"):
-    """Run forward + backward and compare output and every gradient with the reference."""
-    gen = generator(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, power, scale, layout)
-
-    def make(h, t, dim):
-        if layout == "bthd":  # a (B, T, H, D) tensor seen as (B, H, T, D): non-contiguous
-            return randn(gen, b, t, h, dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
-        if layout == "sliced":  # every other position and a slice of a wider head dim
-            return randn(gen, b, h, 2 * t, dim + 3, dtype=dtype, device=device)[:, :, ::2, 1 : dim + 1].requires_grad_()
-        return randn(gen, b, h, t, dim, dtype=dtype, device=device).requires_grad_()
-
-    q, k, v = make(hq, tq, d), make(hkv, tk, d), make(hkv, tk, dv)
-    beta_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # a parameter's dtype
-    if beta == "per_head":
-        beta = randn(gen, hq, device=device, dtype=beta_dtype).requires_grad_()
-    elif beta == "scalar_tensor":
-        beta = randn(gen, device=device, dtype=beta_dtype).requires_grad_()
-    out = threshold_attention(q, k, v, beta, power, scale=scale, backend=backend)
-    assert out.shape == (b, hq, tq, dv) and out.dtype == dtype
-    dout = randn(gen, b, hq, tq, dv, dtype=dtype, device=device)
-    wrt = [q, k, v] + ([beta] if isinstance(beta, torch.Tensor) else [])
-    grads = torch.autograd.grad(out, wrt, dout)
-    ref, ref_grads = reference_with_grads(q, k, v, beta, power, scale, dout)
-
-    assert all(g.dtype == t.dtype and g.shape == t.shape for g, t in zip(grads, wrt))
-    out_err = rel_err(out, ref)
-    assert out_err < TOLERANCE[dtype], f"out: {out_err:.2e}"
-    grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
-    grad_errs = {n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv", "dbeta"), grads, ref_grads)}
-    assert all(e < grad_tol for e in grad_errs.values()), f"tolerance {grad_tol}: {grad_errs}"
 
 
 # (B, Hq, Hkv, Tq, Tk, D, Dv): odd lengths, non-power-of-two head dims, Tq < Tk, GQA, Dv != D.
@@ -66,35 +34,35 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_matches_reference_over_shapes(device, shape, dtype):
-    _check(device, dtype, "triton", *shape, beta="per_head", power=2.0)
+    assert check_against_reference(device, dtype, "triton", *shape, beta="per_head", power=2.0)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("power", [0.5, 1.0, 1.5, 2.0, 3.0])
 @pytest.mark.parametrize("beta", [-1.5, 0.0, 2.0, "scalar_tensor", "per_head"])
 def test_triton_powers_and_betas(device, power, beta):
-    _check(device, torch.float32, "triton", 2, 2, 1, 40, 57, 48, 48, beta=beta, power=power, scale=0.5)
+    assert check_against_reference(device, torch.float32, "triton", 2, 2, 1, 40, 57, 48, 48, beta=beta, power=power, scale=0.5)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("power", [0.5, 1.0, 1.5, 2.0, 3.0])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_triton_low_precision_powers(device, power, dtype):
-    _check(device, dtype, "triton", 1, 2, 2, 50, 50, 32, 32, beta="per_head", power=power, scale=0.3)
+    assert check_against_reference(device, dtype, "triton", 1, 2, 2, 50, 50, 32, 32, beta="per_head", power=power, scale=0.3)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("layout", ["bthd", "sliced"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_non_contiguous_inputs(device, layout, dtype):
-    _check(device, dtype, "triton", 2, 4, 2, 37, 45, 48, 48, beta="per_head", power=2.0, layout=layout)
+    assert check_against_reference(device, dtype, "triton", 2, 4, 2, 37, 45, 48, 48, beta="per_head", power=2.0, layout=layout)
 
 
 @pytest.mark.parametrize("shape", SHAPES[:6], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("power", [0.5, 1.0, 2.0, 3.0])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_torch_path_matches_reference(shape, power, dtype):
-    _check("cpu", dtype, "torch", *shape, beta="per_head", power=power, layout="bthd")
+    assert check_against_reference("cpu", dtype, "torch", *shape, beta="per_head", power=power, layout="bthd")
 
 
 def test_fp16_does_not_overflow_where_the_result_is_finite():
