@@ -100,8 +100,8 @@ def test_learned_positions_stop_at_max_seq_len():
     model = make(positional="learned")
     with pytest.raises(ValueError, match="max_seq_len"):
         model(tokens(t=17))
-    with pytest.raises(ValueError, match="max_seq_len"):
-        model.generate(tokens(t=10), max_new_tokens=8)  # feeds position 16
+    # generation slides its window instead (tests/test_generate.py checks the tokens it picks)
+    assert model.generate(tokens(t=10), max_new_tokens=8).shape[1] == 18
 
 
 @pytest.mark.parametrize(
