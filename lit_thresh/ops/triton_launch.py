@@ -29,7 +29,9 @@ class KernelConfigs:
 
 
 def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
-    """Configs measured on an H200 (see lit_thresh.bench); small tiles under the interpreter."""
+    """Tiles per kernel. D <= 64 in fp16/bf16: the fastest of the H200 sweep (`python -m lit_thresh.bench
+    --sweep`); larger head dims and fp32 are smaller-tile starting points, not yet tuned. Small tiles under
+    the interpreter."""
     if triton_interpreting():
         return KernelConfigs(BlockConfig(32, 32), BlockConfig(32, 32), BlockConfig(32, 32))
     if dtype == torch.float32 or head_dim > 128:
