@@ -12,7 +12,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from lit_thresh.attention import Attention, AttentionFactory, KVCache, RotaryEmbedding, SoftmaxAttention
+from lit_thresh.attention import Attention, AttentionFactory, KeyConv, KVCache, RotaryEmbedding, SoftmaxAttention
 from lit_thresh.attention.base import check_int
 
 Positional = Literal["rope", "learned", "none"]
@@ -61,7 +61,8 @@ class Transformer(nn.Module):
     attention: builds each layer's attention as `attention(d_model, n_heads, layer_index,
     n_kv_heads=n_kv_heads)`; positional: 'rope', 'learned' (max_seq_len positions) or 'none';
     mlp_ratio: MLP hidden width / d_model, 0 = attention-only blocks (as Zoology's MQAR models);
-    dropout: on the embeddings and on each residual branch.
+    dropout: on the embeddings and on each residual branch; key_conv: width of a depthwise causal
+    convolution over time on every attention layer's keys (attention.base.KeyConv), 0 = none.
     """
 
     def __init__(
@@ -76,8 +77,12 @@ class Transformer(nn.Module):
         max_seq_len: int = 1024,
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
+        key_conv: int = 0,
     ) -> None:
         super().__init__()
+        check_int("key_conv", key_conv, minimum=0)
+        if key_conv == 1:
+            raise ValueError("key_conv must be 0 (none) or a width >= 2, got 1")
         for name, value in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_seq_len", max_seq_len)):
             check_int(name, value)
         if positional not in get_args(Positional):
@@ -98,6 +103,8 @@ class Transformer(nn.Module):
                 raise TypeError(f"attention must build a lit_thresh.attention.Attention, got {type(attn).__name__}")
             if self.rope is not None and attn.qk_head_dim % 2:
                 raise ValueError(f"positional='rope' needs an even q/k head dim, got {attn.qk_head_dim}")
+            if key_conv:
+                attn.key_conv = KeyConv(attn.k_proj.out_features, key_conv)
             self.blocks.append(Block(d_model, attn, round(mlp_ratio * d_model), dropout))
         self.norm = nn.RMSNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)

@@ -55,6 +55,7 @@ class LanguageModel(L.LightningModule):
         max_seq_len: int = 1024,
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
+        key_conv: int = 0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
     ) -> None:
@@ -71,6 +72,7 @@ class LanguageModel(L.LightningModule):
             max_seq_len=max_seq_len,
             mlp_ratio=mlp_ratio,
             dropout=dropout,
+            key_conv=key_conv,
         )
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.train_metrics = token_metrics(vocab_size, perplexity=False)  # perplexity = exp(train/loss)

@@ -60,7 +60,8 @@ def test_fit_writes_logs_config_and_checkpoints(fitted):
 
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert config["seed_everything"] == 1234
-    assert config["model"]["attention"]["class_path"] == "lit_thresh.attention.SoftmaxAttention"
+    assert config["model"]["attention"]["class_path"] == "lit_thresh.attention.ThresholdAttention"
+    assert config["model"]["key_conv"] == 2
     assert config["data"]["class_path"] == "lit_thresh.data.MQARDataModule"
 
     checkpoints = {p.name for p in (run / "checkpoints").iterdir()}

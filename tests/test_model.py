@@ -11,7 +11,13 @@ import math
 import pytest
 import torch
 
-from lit_thresh.attention import DiffSoftmaxAttention, DiffThresholdAttention, SoftmaxAttention, ThresholdAttention
+from lit_thresh.attention import (
+    DiffSoftmaxAttention,
+    DiffThresholdAttention,
+    KeyConv,
+    SoftmaxAttention,
+    ThresholdAttention,
+)
 from lit_thresh.model import Transformer
 
 VARIANTS = [SoftmaxAttention, ThresholdAttention, DiffThresholdAttention, DiffSoftmaxAttention]
@@ -28,10 +34,18 @@ def tokens(b=2, t=10) -> torch.Tensor:
     return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(1))
 
 
+def random_key_convs(model: Transformer) -> Transformer:
+    """Random conv taps (instead of the uniform init), so that every tap and the cache's tail matter."""
+    for module in model.modules():
+        if isinstance(module, KeyConv):
+            torch.nn.init.normal_(module.weight)
+    return model
+
+
 @pytest.mark.parametrize("attention", VARIANTS)
-@pytest.mark.parametrize("positional", ["rope", "learned", "none"])
-def test_logits_shape_and_causality(attention, positional):
-    model, idx = make(attention, positional=positional), tokens()
+@pytest.mark.parametrize("positional,key_conv", [("rope", 0), ("learned", 0), ("none", 0), ("rope", 3)])
+def test_logits_shape_and_causality(attention, positional, key_conv):
+    model, idx = random_key_convs(make(attention, positional=positional, key_conv=key_conv)), tokens()
     logits = model(idx)
     assert logits.shape == (2, 10, VOCAB)
     changed = idx.clone()
@@ -42,9 +56,12 @@ def test_logits_shape_and_causality(attention, positional):
 
 
 @pytest.mark.parametrize("attention", VARIANTS)
-@pytest.mark.parametrize("positional,mlp_ratio", [("rope", 4.0), ("learned", 0.0), ("none", 2.0)])
-def test_cached_decoding_matches_full_forward(attention, positional, mlp_ratio):
-    model, idx = make(attention, positional=positional, mlp_ratio=mlp_ratio).eval(), tokens()
+@pytest.mark.parametrize(
+    "positional,mlp_ratio,key_conv", [("rope", 4.0, 0), ("learned", 0.0, 0), ("none", 2.0, 0), ("rope", 0.0, 3)]
+)
+def test_cached_decoding_matches_full_forward(attention, positional, mlp_ratio, key_conv):
+    model = random_key_convs(make(attention, positional=positional, mlp_ratio=mlp_ratio, key_conv=key_conv))
+    model, idx = model.eval(), tokens()
     full = model(idx)  # (B, T, V)
     caches = model.new_caches()
     steps = [model(idx[:, :4], caches), model(idx[:, 4:6], caches)] + [
@@ -112,6 +129,8 @@ def test_learned_positions_stop_at_max_seq_len():
         ({"positional": "alibi"}, ValueError, "positional"),
         ({"mlp_ratio": -1.0}, ValueError, "mlp_ratio"),
         ({"dropout": 1.0}, ValueError, "dropout"),
+        ({"key_conv": 1}, ValueError, "key_conv"),
+        ({"key_conv": -2}, ValueError, "key_conv"),
         ({"d_model": 30}, ValueError, "d_model"),
         ({"attention": lambda *args, **kwargs: torch.nn.Identity()}, TypeError, "attention"),
         ({"d_model": 24, "n_heads": 4, "attention": DiffSoftmaxAttention}, ValueError, "rope"),  # q/k head dim 3

@@ -1,6 +1,6 @@
 """Attention variants. Each layer's module is built as `attention(d_model, n_heads, layer_index)`."""
 
-from lit_thresh.attention.base import Attention, AttentionFactory, KVCache, RotaryEmbedding
+from lit_thresh.attention.base import Attention, AttentionFactory, KeyConv, KVCache, RotaryEmbedding
 from lit_thresh.attention.diff_softmax import DiffSoftmaxAttention
 from lit_thresh.attention.diff_threshold import DiffThresholdAttention
 from lit_thresh.attention.differential import DifferentialAttention
@@ -13,6 +13,7 @@ __all__ = [
     "DiffSoftmaxAttention",
     "DiffThresholdAttention",
     "DifferentialAttention",
+    "KeyConv",
     "KVCache",
     "RotaryEmbedding",
     "SoftmaxAttention",

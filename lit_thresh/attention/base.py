@@ -42,6 +42,7 @@ class KVCache:
 
     k: torch.Tensor | None = None  # (B, G*Hkv, T, Dq), after RoPE
     v: torch.Tensor | None = None  # (B, Hkv, T, Dh)
+    k_tail: torch.Tensor | None = None  # (B, width - 1, C): the last k_proj outputs, for the key conv
 
     @property
     def length(self) -> int:
@@ -78,6 +79,39 @@ class RotaryEmbedding(nn.Module):
         return f"theta={self.theta}"
 
 
+class KeyConv(nn.Module):
+    """Depthwise causal convolution over time of width `width`, applied to the keys (k_proj's output,
+    before RoPE): k'_t = sum_{s < width} w_s * k_{t-s} per channel, zeros before the first position.
+
+    A key then carries its predecessors' tokens, so one attention layer can match a query against
+    the token *before* each value (associative recall) without a previous-token head in an earlier
+    layer (the short convolution of H3 / Based, the "smeared keys" of Olsson et al. 2022). Initialised
+    as the uniform average of the `width` positions.
+    """
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        check_int("channels", channels)
+        check_int("width", width, minimum=2)
+        self.width = width
+        self.weight = nn.Parameter(torch.full((channels, width), 1.0 / width))  # (C, W), tap W-1 = current
+
+    def forward(self, k: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """k (B, T, C) -> (B, T, C); with a cache, k follows the cached positions, whose tail it extends."""
+        b, _, c = k.shape
+        prev = None if cache is None else cache.k_tail
+        if prev is None:
+            prev = k.new_zeros(b, self.width - 1, c)
+        full = torch.cat([prev, k], dim=1)  # (B, W-1+T, C)
+        if cache is not None:
+            cache.k_tail = full[:, -(self.width - 1) :]
+        out = nn.functional.conv1d(full.transpose(1, 2), self.weight.unsqueeze(1).to(k.dtype), groups=c)
+        return out.transpose(1, 2)  # (B, T, C)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.weight.shape[0]}, width={self.width}"
+
+
 class Attention(nn.Module, ABC):
     """Causal multi-head self-attention; subclasses implement `attend`. See the module docstring.
 
@@ -111,6 +145,7 @@ class Attention(nn.Module, ABC):
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.key_conv: KeyConv | None = None  # set by Transformer(key_conv=width)
 
     def forward(
         self, x: torch.Tensor, rope: RotaryEmbedding | None = None, cache: KVCache | None = None
@@ -120,7 +155,10 @@ class Attention(nn.Module, ABC):
         b, t, _ = x.shape
         g = self.qk_groups
         q = self.q_proj(x).view(b, t, g * self.n_heads, self.qk_head_dim).transpose(1, 2)  # (B, G*H, T, Dq)
-        k = self.k_proj(x).view(b, t, g * self.n_kv_heads, self.qk_head_dim).transpose(1, 2)  # (B, G*Hkv, T, Dq)
+        k = self.k_proj(x)  # (B, T, G*Hkv*Dq)
+        if self.key_conv is not None:
+            k = self.key_conv(k, cache)
+        k = k.view(b, t, g * self.n_kv_heads, self.qk_head_dim).transpose(1, 2)  # (B, G*Hkv, T, Dq)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
         if rope is not None:
             start = 0 if cache is None else cache.length
