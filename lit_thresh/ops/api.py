@@ -104,7 +104,7 @@ def threshold_attention(
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     beta_h = _beta_per_head(beta, q.shape[1], q.device, q.dtype)  # (Hq,)
-    if q.numel() == 0 or v.numel() == 0:
+    if q.numel() == 0:  # an empty batch or no queries
         return q.new_zeros(*q.shape[:3], v.shape[-1])
     return ThresholdAttentionFunction.apply(q, k, v, beta_h, power, float(scale), resolve_backend(backend, q))
 
