@@ -3,6 +3,7 @@
 ``lit_thresh fit --config configs/quickstart.yaml``; ``lit_thresh --help`` lists the subcommands.
 """
 
+import sys
 from typing import Any
 
 import torch
@@ -10,22 +11,55 @@ from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
+from lit_thresh import compare
 from lit_thresh import data  # noqa: F401  (makes its DataModules known to --data by name)
-from lit_thresh.callbacks import HparamsWithMetrics
+from lit_thresh.callbacks import HparamsWithMetrics, NaNGuard, PeakMemory, RNGState, StepCheckpoint, TokenThroughput
+from lit_thresh.cli_errors import Parser, check_checkpoint, check_checkpoint_matches, exit_on_input_error
+from lit_thresh.diagnostics import AttentionDiagnostics
 from lit_thresh.module import LanguageModel
+from lit_thresh.resume import check_hyperparameters, resolve_last
 
 
 class LitThreshCLI(LightningCLI):
-    """LightningCLI with a ``checkpoint`` group (ModelCheckpoint, last + best), a RichProgressBar, and the
-    data's vocabulary size and longest sequence fed to the model.
+    """LightningCLI with a ``checkpoint`` group (ModelCheckpoint, last + best), a ``diagnostics`` group
+    (AttentionDiagnostics), a RichProgressBar, and the data's vocabulary size and longest sequence fed to
+    the model.
 
     The checkpoint and progress bar step aside under ``--trainer.enable_checkpointing false`` /
     ``--trainer.enable_progress_bar false``, or when ``trainer.callbacks`` holds another progress bar.
+    A ``ckpt_path`` is checked before anything runs: it must exist and hold this model's weights.
+
+    Resuming: ``--ckpt_path last`` continues the latest run in its own directory, and model arguments that
+    differ from the checkpoint's are an error (lit_thresh.resume). Checkpoints are written atomically
+    (lit_thresh.checkpoint_io), ``last.ckpt`` also every ``--step_checkpoint.every_n_train_steps``;
+    RNGState restores dropout's random state and NaNGuard stops at a non-finite loss or gradient.
     """
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        super().parse_arguments(parser, args)
+        if subcommand := self.config.get("subcommand"):  # before anything is built
+            check_checkpoint(self.config[subcommand].get("ckpt_path"), self._model_class)
+
+    def _parse_ckpt_path(self) -> None:
+        """Replaces LightningCLI's, which overwrites the given model arguments with a checkpoint's
+        hyperparameters: here ``--ckpt_path last`` becomes the run it resumes (lit_thresh.resume.resolve_last),
+        and hyperparameters that differ from the checkpoint's are an error (after_instantiate_classes)."""
+        if subcommand := self.config.get("subcommand"):
+            resolve_last(self.config[subcommand])
+
+    def after_instantiate_classes(self) -> None:
+        self.model.check_data_lengths(self.datamodule)  # before any run directory or config.yaml is written
+        if subcommand := self.config.get("subcommand"):
+            check_checkpoint_matches(self.config[subcommand].get("ckpt_path"), self.model)
+            check_hyperparameters(self.config[subcommand].get("ckpt_path"), self.model)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ModelCheckpoint, "checkpoint")
+        parser.add_class_arguments(StepCheckpoint, "step_checkpoint")  # last.ckpt every N steps; 0: off
+        parser.link_arguments("checkpoint.dirpath", "step_checkpoint.dirpath")
+        parser.add_class_arguments(AttentionDiagnostics, "diagnostics")  # off: --diagnostics.enabled false
         parser.set_defaults({"checkpoint.monitor": "val/loss", "checkpoint.save_last": True})
+        parser.set_defaults({"checkpoint.enable_version_counter": False})  # step_checkpoint writes last.ckpt too
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.max_seq_len", "model.max_seq_len", apply_on="instantiate")
 
@@ -35,8 +69,10 @@ class LitThreshCLI(LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         if config["enable_checkpointing"] is not False:
             callbacks.append(self._get(self.config_init, "checkpoint"))
+            callbacks.append(self._get(self.config_init, "step_checkpoint"))
         if config["enable_progress_bar"] is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(RichProgressBar())
+        callbacks.append(self._get(self.config_init, "diagnostics"))
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
 
@@ -47,6 +83,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LitThreshCLI:
         LanguageModel,
         LightningDataModule,
         subclass_mode_data=True,
+        parser_class=Parser,  # short error messages
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # the model owns its optimizer and schedule
@@ -56,7 +93,8 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LitThreshCLI:
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                 "init_args": {"save_dir": "lightning_logs", "name": "default", "default_hp_metric": False},
             },
-            "callbacks": [HparamsWithMetrics()],
+            "callbacks": [HparamsWithMetrics(), TokenThroughput(), PeakMemory(), RNGState(), NaNGuard()],
+            "plugins": {"class_path": "lit_thresh.checkpoint_io.AtomicCheckpointIO"},
         },
         args=args,
         run=run,
@@ -64,5 +102,14 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LitThreshCLI:
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of ``lit_thresh`` and ``python -m lit_thresh``."""
-    build_cli(args)
+    """Entry point of ``lit_thresh`` and ``python -m lit_thresh``; ``lit_thresh compare ...`` runs
+    lit_thresh.compare.
+
+    Bad input ends the program with one line, ``lit_thresh: error: <message>``, and exit status 1 (2 for
+    parse errors); ``LIT_THRESH_TRACEBACK=1`` shows the traceback (lit_thresh.cli_errors)."""
+    argv = sys.argv[1:] if args is None else args
+    with exit_on_input_error():
+        if isinstance(argv, list) and argv[:1] == ["compare"]:
+            compare.main(argv[1:])
+            return
+        build_cli(args)

@@ -1,6 +1,6 @@
 """Decoder-only Transformer in the nanoGPT layout, with a pluggable attention variant.
 
-token embedding (+ learned positions) -> n_layers pre-norm blocks -> RMSNorm -> LM head (tied).
+token embedding (+ learned positions) -> n_layers pre-norm blocks -> norm -> LM head (tied).
 Positions: learned absolute embeddings, RoPE inside attention, or none (causal masking alone).
 """
 
@@ -16,6 +16,12 @@ from lit_thresh.attention import Attention, AttentionFactory, KeyConv, KVCache, 
 from lit_thresh.attention.base import check_int
 
 Positional = Literal["rope", "learned", "none"]
+Norm = Literal["rmsnorm", "layernorm"]
+
+
+def make_norm(kind: Norm, d_model: int) -> nn.Module:
+    """RMSNorm, or LayerNorm without bias (nanoGPT's `bias=False`)."""
+    return nn.RMSNorm(d_model) if kind == "rmsnorm" else nn.LayerNorm(d_model, bias=False)
 
 
 class MLP(nn.Module):
@@ -34,11 +40,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) if it has an MLP."""
 
-    def __init__(self, d_model: int, attn: Attention, mlp_hidden: int, dropout: float) -> None:
+    def __init__(self, d_model: int, attn: Attention, mlp_hidden: int, dropout: float, norm: Norm = "rmsnorm") -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(d_model)
+        self.attn_norm = make_norm(norm, d_model)
         self.attn = attn
-        self.mlp_norm = nn.RMSNorm(d_model) if mlp_hidden else None
+        self.mlp_norm = make_norm(norm, d_model) if mlp_hidden else None
         self.mlp = MLP(d_model, mlp_hidden) if mlp_hidden else None
         self.dropout = nn.Dropout(dropout)
 
@@ -62,7 +68,8 @@ class Transformer(nn.Module):
     n_kv_heads=n_kv_heads)`; positional: 'rope', 'learned' (max_seq_len positions) or 'none';
     mlp_ratio: MLP hidden width / d_model, 0 = attention-only blocks (as Zoology's MQAR models);
     dropout: on the embeddings and on each residual branch; key_conv: width of a depthwise causal
-    convolution over time on every attention layer's keys (attention.base.KeyConv), 0 = none.
+    convolution over time on every attention layer's keys (attention.base.KeyConv), 0 = none;
+    norm: 'rmsnorm' or 'layernorm' (bias-free, as nanoGPT) before each branch and the LM head.
     """
 
     def __init__(
@@ -78,9 +85,12 @@ class Transformer(nn.Module):
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
         key_conv: int = 0,
+        norm: Norm = "rmsnorm",
     ) -> None:
         super().__init__()
         check_int("key_conv", key_conv, minimum=0)
+        if norm not in get_args(Norm):
+            raise ValueError(f"norm must be one of {get_args(Norm)}, got {norm!r}")
         if key_conv == 1:
             raise ValueError("key_conv must be 0 (none) or a width >= 2, got 1")
         for name, value in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_seq_len", max_seq_len)):
@@ -105,8 +115,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"positional='rope' needs an even q/k head dim, got {attn.qk_head_dim}")
             if key_conv:
                 attn.key_conv = KeyConv(attn.k_proj.out_features, key_conv)
-            self.blocks.append(Block(d_model, attn, round(mlp_ratio * d_model), dropout))
-        self.norm = nn.RMSNorm(d_model)
+            self.blocks.append(Block(d_model, attn, round(mlp_ratio * d_model), dropout, norm))
+        self.norm = make_norm(norm, d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.token_emb.weight  # weight tying
 

@@ -15,18 +15,26 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 from lit_thresh.attention import AttentionFactory, SoftmaxAttention
-from lit_thresh.model import Positional, Transformer
+from lit_thresh.model import Norm, Positional, Transformer
 from lit_thresh.schedule import WarmupCosine
 
 IGNORE_INDEX = -100  # labels that are not supervised
 
 
-def token_metrics(vocab_size: int, perplexity: bool = True) -> nn.ModuleDict:
-    """Loss (mean over supervised tokens), token accuracy and optionally perplexity, for one data set."""
+def token_metrics(vocab_size: int, perplexity: bool = True, training: bool = False) -> nn.ModuleDict:
+    """Loss (mean over supervised tokens), token accuracy and optionally perplexity, for one data set.
+
+    training=True, for values logged every step: under DDP each step's values are synced over the ranks
+    (``dist_sync_on_step``; a no-op on one device), and torchmetrics' input checks (NaN filtering, label
+    validation), which wait for the GPU on every update, are off so the CPU can queue the next step.
+    """
+    kwargs = {"dist_sync_on_step": training}
     metrics = nn.ModuleDict(
         {
-            "loss": MeanMetric(),
-            "acc": MulticlassAccuracy(vocab_size, average="micro", ignore_index=IGNORE_INDEX),
+            "loss": MeanMetric(nan_strategy="disable" if training else "warn", **kwargs),
+            "acc": MulticlassAccuracy(
+                vocab_size, average="micro", ignore_index=IGNORE_INDEX, validate_args=not training, **kwargs
+            ),
         }
     )
     if perplexity:
@@ -37,7 +45,7 @@ def token_metrics(vocab_size: int, perplexity: bool = True) -> nn.ModuleDict:
 class LanguageModel(L.LightningModule):
     """A Transformer (lit_thresh.model) trained with cross-entropy on batch["labels"] (-100 = ignored).
 
-    Model arguments: see Transformer. optimizer: called with two parameter groups, the >= 2-D
+    Model arguments: see Transformer. compile: torch.compile the model (see configure_model). optimizer: called with two parameter groups, the >= 2-D
     weights (decayed) and the rest (weight_decay 0); lr_scheduler: called with the optimizer,
     stepped every step (None = constant lr). Logs `train/{loss,acc}` per step and
     `val/{loss,acc,ppl}` (`val/<name>/...` for the DataModule's other `val_set_names`), same for test.
@@ -56,6 +64,8 @@ class LanguageModel(L.LightningModule):
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
         key_conv: int = 0,
+        norm: Norm = "rmsnorm",
+        compile: bool = False,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
     ) -> None:
@@ -73,19 +83,41 @@ class LanguageModel(L.LightningModule):
             mlp_ratio=mlp_ratio,
             dropout=dropout,
             key_conv=key_conv,
+            norm=norm,
         )
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self.train_metrics = token_metrics(vocab_size, perplexity=False)  # perplexity = exp(train/loss)
+        self.train_metrics = token_metrics(vocab_size, perplexity=False, training=True)  # perplexity = exp(train/loss)
         self.eval_metrics = nn.ModuleDict()  # "val" / "test" -> one token_metrics per data set, see setup
         self.eval_prefixes: dict[str, list[str]] = {}
+        self.last_batch_shape: tuple[int, int] | None = None  # (B, T) of the last step, for flops_per_batch
 
     def setup(self, stage: str) -> None:
         """One set of metrics per validation and test set, named by the DataModule's
-        `val_set_names` / `test_set_names` if it has them (the first set logs as plain `val/...`)."""
+        `val_set_names` / `test_set_names` if it has them (the first set logs as plain `val/...`).
+        The DataModule's lengths are checked first (check_data_lengths)."""
+        data = self.trainer.datamodule
+        self.check_data_lengths(data)
         for split in ("val", "test"):
-            names = getattr(self.trainer.datamodule, f"{split}_set_names", None) or [split]
+            names = getattr(data, f"{split}_set_names", None) or [split]
             self.eval_prefixes[split] = [split] + [f"{split}/{name}" for name in names[1:]]
             self.eval_metrics[split] = nn.ModuleList(token_metrics(self.hparams.vocab_size) for _ in names)
+
+    def check_data_lengths(self, data: object) -> None:
+        """With learned positions, refuses a DataModule whose `max_seq_len` exceeds its `train_seq_len`
+        (length test sets): positions beyond the training length were never trained."""
+        train_len, longest = getattr(data, "train_seq_len", None), getattr(data, "max_seq_len", None)
+        if self.hparams.positional == "learned" and train_len is not None and longest > train_len:
+            raise ValueError(
+                f"positional='learned' cannot evaluate sequences of {longest} tokens after training on "
+                f"{train_len}: learned absolute positions cannot extrapolate beyond the training length. "
+                "Use --model.positional rope or none, or set the data's test_length_multipliers to []."
+            )
+
+    def configure_model(self) -> None:
+        """With `compile`, torch.compile the Transformer in place (same parameter names, so checkpoints
+        load either way): fused kernels and far fewer launches, on GPU mostly; compiles on first use."""
+        if self.hparams.compile:
+            self.model.compile()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> next-token logits (B, T, V)."""
@@ -93,6 +125,7 @@ class LanguageModel(L.LightningModule):
 
     def _step(self, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict, prefix: str, **log_kwargs) -> torch.Tensor:
         labels = batch["labels"]  # (B, T)
+        self.last_batch_shape = tuple(labels.shape)
         logits = self(batch["input_ids"])  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         metrics["loss"](loss, (labels != IGNORE_INDEX).sum())  # weighted by the supervised tokens
@@ -102,6 +135,18 @@ class LanguageModel(L.LightningModule):
         for name, metric in metrics.items():
             self.log(f"{prefix}/{name}", metric, add_dataloader_idx=False, **log_kwargs)
         return loss
+
+    @property
+    def flops_per_batch(self) -> int | None:
+        """FLOPs of the last batch by nanoGPT's (PaLM's) estimate, (2 N + 4 L d T) per token and three
+        times that when training (forward + backward); read by lightning's ThroughputMonitor for MFU."""
+        if self.last_batch_shape is None:
+            return None
+        batch, seq_len = self.last_batch_shape
+        n_params = sum(p.numel() for p in self.parameters())
+        hp = self.hparams
+        per_token = 2 * n_params + 4 * hp.n_layers * hp.d_model * seq_len
+        return (3 if self.training else 1) * per_token * batch * seq_len
 
     def _eval_step(self, batch: dict[str, torch.Tensor], split: str, dataloader_idx: int) -> None:
         prefixes = self.eval_prefixes[split]

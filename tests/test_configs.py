@@ -6,10 +6,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lit_thresh import compare
 from lit_thresh.cli import main
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-YAMLS = sorted(CONFIGS.rglob("*.yaml"))
+COMPARES = sorted((CONFIGS / "compare").glob("*.yaml"))  # `lit_thresh compare` configs
+YAMLS = sorted(set(CONFIGS.rglob("*.yaml")) - set(COMPARES))
 GROUPS = ("trainer", "model", "data")
 TINY_TRAINER = [
     "--trainer.accelerator=cpu",
@@ -22,6 +24,7 @@ TINY_TRAINER = [
     "--trainer.limit_test_batches=1",
     "--trainer.num_sanity_val_steps=0",
     "--trainer.enable_checkpointing=false",
+    "--model.compile=false",  # torch.compile takes ~1 min on a CPU; tests/test_module.py covers it
 ]
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
@@ -76,7 +79,7 @@ def test_config_trains(path, offline_cpu):
     main(["fit", *args])
     assert list(offline_cpu.glob("lightning_logs/**/events.out.tfevents.*"))
     if data_class_path(path).endswith("MQARDataModule"):
-        main(["test", *args])  # the longer test sets fit the model's max_seq_len
+        main(["test", *args])  # the length test sets run past the training length
 
 
 @pytest.mark.parametrize("path", [p for p in YAMLS if is_piece(p)], ids=lambda p: str(p.relative_to(CONFIGS)))
@@ -87,3 +90,16 @@ def test_piece_parses(path, capsys):
         main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), f"--{group}", str(path), "--print_config"])
     assert exit_info.value.code in (0, None)
     assert yaml.safe_load(capsys.readouterr().out)[group]
+
+
+@pytest.mark.parametrize("path", COMPARES, ids=lambda p: p.name)
+def test_compare_config_variants_parse(path, capsys):
+    """Every variant of a comparison is a valid `lit_thresh fit` configuration."""
+    cfg = compare.parse(["--config", str(path)])
+    assert cfg.variants and cfg.seeds
+    for variant in cfg.variants:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", *compare.variant_args(cfg, variant), "--print_config"])
+        assert exit_info.value.code in (0, None), variant
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["model"]["attention"]["class_path"].lower().endswith(variant.replace("_", "") + "attention")

@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 
 from lit_thresh.attention import DiffSoftmaxAttention, DiffThresholdAttention, SoftmaxAttention, ThresholdAttention
+from lit_thresh.data import MQARDataModule, MQARSetting
 from lit_thresh.module import LanguageModel
 from lit_thresh.schedule import WarmupCosine
 
@@ -253,3 +254,64 @@ def test_generate_uses_the_model():
     module = model().eval()
     prompt = torch.zeros(2, 3, dtype=torch.long)
     assert torch.equal(module.generate(prompt, 4, temperature=0), module.model.generate(prompt, 4, temperature=0))
+
+
+def tiny_mqar(**kwargs) -> MQARDataModule:
+    settings = dict(
+        vocab_size=32,
+        train=[MQARSetting(16, 2, 32)],
+        val=[MQARSetting(16, 2, 8)],
+        test_length_multipliers=[2, 4],
+        test_examples=4,
+        batch_size=8,
+    )
+    return MQARDataModule(**(settings | kwargs))
+
+
+def test_fit_then_test_logs_every_length_test_set(tmp_path):
+    data = tiny_mqar()
+    module = model(vocab_size=32, max_seq_len=data.max_seq_len, positional="none", key_conv=2)
+    run = trainer(tmp_path, max_steps=2, limit_val_batches=1)
+    run.fit(module, data)
+    run.test(module, data)
+    names = ["", "/len32_n2", "/len32_n4", "/len64_n2", "/len64_n8"]
+    assert data.test_set_names[1:] == [name[1:] for name in names[1:]]
+    assert {f"test{name}/{m}" for name in names for m in ("loss", "acc", "ppl")} <= set(run.callback_metrics)
+
+
+@pytest.mark.parametrize("stage", ["fit", "test"])
+def test_learned_positions_refuse_longer_test_sets(tmp_path, stage):
+    data = tiny_mqar()
+    module = model(vocab_size=32, max_seq_len=data.max_seq_len, positional="learned")
+    message = (
+        r"positional='learned' cannot evaluate sequences of 64 tokens after training on 16: learned absolute "
+        r"positions cannot extrapolate .* --model.positional rope or none, or set the data's test_length_multipliers"
+    )
+    with pytest.raises(ValueError, match=message):
+        getattr(trainer(tmp_path, max_steps=1), stage)(module, data)
+    trainer(tmp_path, max_steps=1, limit_val_batches=1).fit(module, tiny_mqar(test_length_multipliers=[]))
+
+
+def test_compile_keeps_outputs_and_checkpoint_keys(tmp_path):
+    """compile=True runs torch.compile on the Transformer in place: same logits, same state_dict keys,
+    and a fit step trains through the compiled model."""
+    torch._dynamo.reset()
+    eager, compiled = model(norm="layernorm"), model(norm="layernorm", compile=True)
+    compiled.load_state_dict(eager.state_dict())
+    trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(compiled, train_dataloaders=TinyData().train_dataloader())
+    assert compiled.model._compiled_call_impl is not None
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    compiled.load_state_dict(eager.state_dict())  # back to the same weights
+    data = batches(seed=3)
+    assert abs(loss_on(compiled.eval(), data) - loss_on(eager.eval(), data)) < 1e-5
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("norm,cls", [("rmsnorm", torch.nn.RMSNorm), ("layernorm", torch.nn.LayerNorm)])
+def test_norm_choice(norm, cls):
+    module = model(norm=norm)
+    norms = [m for m in module.modules() if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)) and m.weight.numel() == 32]
+    assert norms and all(type(m) is cls for m in norms)
+    assert all(getattr(m, "bias", None) is None for m in norms)  # bias-free, as nanoGPT
+    with pytest.raises(ValueError, match="norm must be one of"):
+        model(norm="batchnorm")

@@ -1,8 +1,10 @@
 """What every attention variant shares: projections, heads, grouped-query attention, RoPE, KV cache.
 
-A variant subclasses `Attention` and implements only `attend` (plus its own parameters):
+A variant subclasses `Attention` and implements `attend` (plus its own parameters):
 
     q (B, G*H, Tq, Dq), k (B, G*Hkv, Tk, Dq), v (B, Hkv, Tk, Dh)  ->  (B, H, Tq, Dh)
+
+and `attention_weights(q, k) -> (B, H, Tq, Tk)`, the same map in plain PyTorch (for diagnostics only).
 
 H query heads, Hkv key/value heads (GQA when Hkv < H), Dh = d_model / H, G = `qk_groups` (q, k)
 pairs per head sharing one v (2 for differential attention) and Dq = Dh / G. The queries are the
@@ -34,6 +36,11 @@ def check_finite_float(name: str, value: float, *, positive: bool = False) -> No
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name} must be a finite float{' > 0' if positive else ''}, got {value}")
+
+
+def causal_mask(tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    """(Tq, Tk) bool, True where query i (position Tk - Tq + i) may see key j (j <= Tk - Tq + i)."""
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
 
 
 @dataclass
@@ -121,6 +128,7 @@ class Attention(nn.Module, ABC):
     """
 
     qk_groups: ClassVar[int] = 1  # (q, k) pairs per head sharing one v
+    max_head_dim: ClassVar[int | None] = None  # the largest head dim Dh `attend` takes; None = any
 
     def __init__(self, d_model: int, n_heads: int, layer_index: int = 0, *, n_kv_heads: int | None = None) -> None:
         super().__init__()
@@ -138,6 +146,11 @@ class Attention(nn.Module, ABC):
                 f"{type(self).__name__} splits each head into {self.qk_groups} (q, k) pairs: the head dim "
                 f"d_model / n_heads ({head_dim}) must be divisible by {self.qk_groups}"
             )
+        if self.max_head_dim is not None and head_dim > self.max_head_dim:
+            raise ValueError(
+                f"{type(self).__name__} takes head dims up to {self.max_head_dim}, got d_model / n_heads = "
+                f"{d_model} / {n_heads} = {head_dim}: use more heads"
+            )
         self.n_heads, self.n_kv_heads, self.layer_index = n_heads, n_kv_heads, layer_index
         self.head_dim = head_dim  # Dh, of v and of the output
         self.qk_head_dim = head_dim // self.qk_groups  # Dq, of q and k
@@ -146,6 +159,8 @@ class Attention(nn.Module, ABC):
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
         self.key_conv: KeyConv | None = None  # set by Transformer(key_conv=width)
+        self.record_weights = False  # when set, forward stores its attention map in `last_weights`
+        self.last_weights: torch.Tensor | None = None  # (B, H, Tq, Tk)
 
     def forward(
         self, x: torch.Tensor, rope: RotaryEmbedding | None = None, cache: KVCache | None = None
@@ -166,12 +181,24 @@ class Attention(nn.Module, ABC):
         if cache is not None:
             k, v = cache.update(k, v)  # (B, G*Hkv, Tk, Dq), (B, Hkv, Tk, Dh)
         y = self.attend(q, k, v)  # (B, H, T, Dh)
+        if self.record_weights:
+            self.last_weights = self.attention_weights(q, k)  # (B, H, T, Tk)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, G*H, Tq, Dq), k (B, G*Hkv, Tk, Dq), v (B, Hkv, Tk, Dh) -> (B, H, Tq, Dh), causal,
         the queries being the last Tq positions."""
+
+    @abstractmethod
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The causal map `attend` applies to v, materialised in plain PyTorch (at least float32):
+        q (B, G*H, Tq, Dq), k (B, G*Hkv, Tk, Dq) -> (B, H, Tq, Tk), zero on future keys. For
+        diagnostics; the output normalisation `attend` may apply afterwards is not part of it."""
+
+    def diagnostic_values(self) -> dict[str, torch.Tensor]:
+        """Learned values to monitor, by name: (H,) per head or 0-d per layer (none by default)."""
+        return {}
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}"

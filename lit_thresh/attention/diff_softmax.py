@@ -6,7 +6,7 @@ import torch
 
 from lit_thresh.attention.base import check_finite_float
 from lit_thresh.attention.differential import DifferentialAttention
-from lit_thresh.attention.softmax import causal_sdpa
+from lit_thresh.attention.softmax import causal_sdpa, causal_softmax_weights
 
 
 class DiffSoftmaxAttention(DifferentialAttention):
@@ -31,3 +31,6 @@ class DiffSoftmaxAttention(DifferentialAttention):
 
     def attend_map(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return causal_sdpa(q, k, v, self.scale)  # (B, H, Tq, Dh)
+
+    def map_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return causal_softmax_weights(q, k, self.scale)  # (B, H, Tq, Tk)

@@ -6,6 +6,7 @@ import torch
 
 from lit_thresh.attention.differential import DifferentialAttention
 from lit_thresh.attention.threshold import ThresholdMap
+from lit_thresh.ops.api import MAX_HEAD_DIM
 
 
 class DiffThresholdAttention(DifferentialAttention):
@@ -16,6 +17,8 @@ class DiffThresholdAttention(DifferentialAttention):
     maps are two threshold_attention calls rather than differential_threshold_rela_triton (which
     clamps lambda to [0, 1]).
     """
+
+    max_head_dim = MAX_HEAD_DIM  # the ops' limit, on v's head dim (q's and k's are half of it)
 
     def __init__(
         self,
@@ -37,3 +40,9 @@ class DiffThresholdAttention(DifferentialAttention):
 
     def attend_map(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.threshold(q, k, v)  # (B, H, Tq, Dh)
+
+    def map_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return self.threshold.weights(q, k)  # (B, H, Tq, Tk)
+
+    def diagnostic_values(self) -> dict[str, torch.Tensor]:
+        return {"beta": self.threshold.beta} | super().diagnostic_values()  # (H,), 0-d

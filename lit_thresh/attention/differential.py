@@ -43,9 +43,23 @@ class DifferentialAttention(Attention):
         y = self.attend_map(q1, k1, v) - self.lambda_full() * self.attend_map(q2, k2, v)  # (B, H, Tq, Dh)
         return self.out_norm(y) * (1 - self.lambda_init)
 
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The effective map A1 - lambda A2 (B, H, Tq, Tk), whose product with v `attend` normalises."""
+        q1, q2 = q.chunk(2, dim=1)  # (B, H, Tq, Dq) each
+        k1, k2 = k.chunk(2, dim=1)  # (B, Hkv, Tk, Dq) each
+        return self.map_weights(q1, k1) - self.lambda_full() * self.map_weights(q2, k2)  # (B, H, Tq, Tk)
+
+    def diagnostic_values(self) -> dict[str, torch.Tensor]:
+        return {"lambda": self.lambda_full()}  # 0-d
+
     @abstractmethod
     def attend_map(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, H, Tq, Dq), k (B, Hkv, Tk, Dq), v (B, Hkv, Tk, Dh) -> (B, H, Tq, Dh), causal."""
+
+    @abstractmethod
+    def map_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The map attend_map applies to v, in plain PyTorch (at least float32):
+        q (B, H, Tq, Dq), k (B, Hkv, Tk, Dq) -> (B, H, Tq, Tk), zero on future keys."""
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lambda_init={self.lambda_init:.4f}"

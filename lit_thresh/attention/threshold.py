@@ -13,6 +13,8 @@ from torch import nn
 
 from lit_thresh.attention.base import Attention, check_finite_float
 from lit_thresh.ops import threshold_attention
+from lit_thresh.ops.api import MAX_HEAD_DIM
+from lit_thresh.ops.reference import threshold_attention_weights
 
 
 class ThresholdMap(nn.Module):
@@ -43,6 +45,15 @@ class ThresholdMap(nn.Module):
             q, k = F.normalize(q, dim=-1).to(q.dtype), F.normalize(k, dim=-1).to(k.dtype)
         return threshold_attention(q, k, v, self.beta, self.power, scale=self.scale)
 
+    def weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The map `forward` applies to v, as `threshold_attention_reference` computes it, in at least
+        float32: q (B, H, Tq, D), k (B, Hkv, Tk, D) -> (B, H, Tq, Tk), exactly 0 on future keys."""
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        q, k = q.to(dtype), k.to(dtype)
+        if self.qk_norm:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        return threshold_attention_weights(q, k, self.beta.to(dtype), self.power, self.scale)
+
     def extra_repr(self) -> str:
         learned = "learned" if isinstance(self.beta, nn.Parameter) else "fixed"
         return f"beta={learned}, power={self.power}, qk_norm={self.qk_norm}, scale={self.scale}"
@@ -54,6 +65,8 @@ class ThresholdAttention(Attention):
     Variant kwargs: see ThresholdMap. With qk_norm the scores are cosines in [-1, 1], so beta and
     scale set the threshold in cosine units; without it, scale = 1 leaves q.k unscaled.
     """
+
+    max_head_dim = MAX_HEAD_DIM  # the ops' limit
 
     def __init__(
         self,
@@ -77,3 +90,9 @@ class ThresholdAttention(Attention):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.out_norm(self.threshold(q, k, v))  # (B, H, Tq, Dh)
+
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return self.threshold.weights(q, k)  # (B, H, Tq, Tk)
+
+    def diagnostic_values(self) -> dict[str, torch.Tensor]:
+        return {"beta": self.threshold.beta}  # (H,)

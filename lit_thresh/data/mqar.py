@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, StackDataset
+
+from lit_thresh.data.resumable import ResumableDataModule
 
 IGNORE_INDEX = -100
 _SPLITS = ("train", "val", "test")
@@ -29,7 +30,7 @@ class MQARSetting(NamedTuple):
 
     @property
     def name(self) -> str:
-        return f"L{self.seq_len}_N{self.num_kv_pairs}"
+        return f"len{self.seq_len}_n{self.num_kv_pairs}"
 
 
 def multiquery_ar(
@@ -108,14 +109,19 @@ def _sample_without_replacement(rows: int, k: int, n: int, generator: torch.Gene
     return samples.gather(1, order)
 
 
-class MQARDataModule(LightningDataModule):
+class MQARDataModule(ResumableDataModule):
     """MQAR train/val/test sets, generated in memory from ``seed``.
 
     ``train`` and ``val`` are mixtures of settings (right-padded with filler 0 / label -100 to their
-    longest sequence). Test sets: ``all`` (the ``val`` settings, fresh examples; logged as ``test/acc``)
-    then each ``val`` setting at every ``test_length_multipliers`` times its length (e.g.
-    ``test/L512_N16/acc``). Train, val and test are drawn from disjoint generator seeds; every DDP rank
-    generates the same sets and Lightning's DistributedSampler shards them.
+    longest sequence). Test sets: ``all`` (the ``val`` settings, fresh examples; logged as ``test/acc``),
+    then for every ``val`` setting (L, N) and multiplier m in ``test_length_multipliers`` a length test
+    set of m·L tokens with the same N pairs and one with m·N pairs (the latter where the vocabulary holds
+    m·N keys), logged as ``test/len{m·L}_n{N}/acc`` and ``test/len{m·L}_n{m·N}/acc``. Length test sets
+    hold ``test_examples`` sequences each and are batched by ``batch_size // m`` (the same tokens per
+    batch). Train, val and test are drawn from disjoint generator seeds; every DDP rank generates the
+    same sets. The training order is a function of ``seed`` and the epoch, sharded over DDP ranks and
+    resumed mid-epoch from checkpoints (``ResumableDataModule``); Lightning's DistributedSampler shards
+    val and test.
     """
 
     def __init__(
@@ -123,7 +129,8 @@ class MQARDataModule(LightningDataModule):
         vocab_size: int = 8192,
         train: Sequence[MQARSetting] = (MQARSetting(seq_len=256, num_kv_pairs=16, num_examples=100_000),),
         val: Sequence[MQARSetting] = (MQARSetting(seq_len=256, num_kv_pairs=16, num_examples=3_000),),
-        test_length_multipliers: Sequence[int] = (2, 4),
+        test_length_multipliers: Sequence[int] = (2, 4, 8),
+        test_examples: int | None = None,
         power_a: float = 0.01,
         random_non_queries: bool = True,
         batch_size: int = 256,
@@ -135,28 +142,36 @@ class MQARDataModule(LightningDataModule):
             vocab_size: tokens; keys are ``[1, V/2)``, values ``[V/2, V)``.
             train: settings mixed into the training set.
             val: settings mixed into the validation set (and the primary test set).
-            test_length_multipliers: extra test sets at these multiples of each ``val`` length.
+            test_length_multipliers: length test sets at these multiples of each ``val`` length.
+            test_examples: sequences per length test set; default: as many as the ``val`` setting.
             power_a: Zoology's power-law exponent for the query gaps (1.0 = uniform).
             random_non_queries: fill the non-pair, non-query slots with random tokens instead of 0.
             batch_size: examples per batch (per device under DDP).
             num_workers: DataLoader worker processes.
-            seed: data seed, independent of ``seed_everything``.
+            seed: seed of the sets and of the training order, independent of ``seed_everything``.
         """
         super().__init__()
         if not train or not val:
             raise ValueError("train and val must each hold at least one MQARSetting")
         if any(m < 1 for m in test_length_multipliers):
             raise ValueError(f"test_length_multipliers must be >= 1, got {list(test_length_multipliers)}")
+        if test_examples is not None and test_examples < 1:
+            raise ValueError(f"test_examples must be >= 1 or None, got {test_examples}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.save_hyperparameters()
         self.train_settings = tuple(MQARSetting(*s) for s in train)
         self.val_settings = tuple(MQARSetting(*s) for s in val)
         self.test_settings = {"all": self.val_settings}
+        self.test_batch_sizes = {"all": batch_size}
         for m in test_length_multipliers:
             for s in self.val_settings:
-                scaled = MQARSetting(s.seq_len * m, s.num_kv_pairs, s.num_examples)
-                self.test_settings.setdefault(scaled.name, (scaled,))
+                for pairs in dict.fromkeys((s.num_kv_pairs, s.num_kv_pairs * m)):
+                    scaled = MQARSetting(s.seq_len * m, pairs, test_examples or s.num_examples)
+                    fits = pairs < vocab_size // 2  # keys are [1, V/2); m·L >= 4·m·N holds as L >= 4·N
+                    if fits and scaled.name not in self.test_settings:
+                        self.test_settings[scaled.name] = (scaled,)
+                        self.test_batch_sizes[scaled.name] = max(1, batch_size // m)
         for s in (*self.train_settings, *self.val_settings):
             _check_setting(s.num_examples, s.seq_len, s.num_kv_pairs, vocab_size, power_a)
         self.datasets: dict[str, StackDataset] = {}
@@ -166,7 +181,13 @@ class MQARDataModule(LightningDataModule):
         return self.hparams.vocab_size
 
     @property
+    def train_seq_len(self) -> int:
+        """Longest training sequence: the positions the model learns."""
+        return max(s.seq_len for s in self.train_settings)
+
+    @property
     def max_seq_len(self) -> int:
+        """Longest sequence fed to the model, length test sets included."""
         settings = (*self.train_settings, *(s for group in self.test_settings.values() for s in group))
         return max(s.seq_len for s in settings)
 
@@ -185,13 +206,17 @@ class MQARDataModule(LightningDataModule):
                 self.datasets[f"test/{name}"] = self._generate(settings, generator)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.datasets["train"], shuffle=True)
+        dataset, batch_size = self.datasets["train"], self.hparams.batch_size
+        return self.resumable_loader(dataset, batch_size, self.hparams.seed, num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["val"])
 
     def test_dataloader(self) -> list[DataLoader]:
-        return [self._loader(self.datasets[f"test/{name}"]) for name in self.test_set_names]
+        return [
+            self._loader(self.datasets[f"test/{name}"], batch_size=self.test_batch_sizes[name])
+            for name in self.test_set_names
+        ]
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["test/all"])
@@ -218,7 +243,10 @@ class MQARDataModule(LightningDataModule):
             labels.append(F.pad(y, (0, seq_len - s.seq_len), value=IGNORE_INDEX))
         return StackDataset(input_ids=torch.cat(input_ids), labels=torch.cat(labels))
 
-    def _loader(self, dataset: StackDataset, shuffle: bool = False) -> DataLoader:
+    def _loader(self, dataset: StackDataset, batch_size: int | None = None) -> DataLoader:
         return DataLoader(
-            dataset, batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers
+            dataset,
+            batch_size=batch_size or self.hparams.batch_size,
+            num_workers=self.hparams.num_workers,
+            generator=torch.Generator().manual_seed(self.hparams.seed),  # leaves the global RNG alone
         )

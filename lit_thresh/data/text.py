@@ -5,7 +5,7 @@ import pickle
 from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import datasets
 import pyarrow.compute as pc
@@ -14,10 +14,10 @@ from datasets import DatasetDict, Features, List, Value, load_dataset
 from datasets.data_files import resolve_pattern, sanitize_patterns
 from datasets.fingerprint import Hasher
 from filelock import FileLock
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lit_thresh.data.resumable import ResumableDataModule
 from lit_thresh.data.tokenizers import Tokenizer, TrainableTokenizer
 
 DataFiles = str | list[str] | dict[str, str | list[str]]
@@ -71,7 +71,7 @@ def _encode_batch(batch: dict[str, list], tokenizer: Tokenizer, column: str) -> 
     return {"input_ids": tokenizer.encode_batch(batch[column])}
 
 
-class TextDataModule(LightningDataModule):
+class TextDataModule(ResumableDataModule):
     """Next-token prediction on a text source, tokenised once and cached by `datasets`.
 
     The rows of a split, concatenated, form its token stream. The source's train / validation /
@@ -85,10 +85,14 @@ class TextDataModule(LightningDataModule):
     runs and the other DDP ranks read the cache and a new file or tokenizer makes a new one.
 
     Training windows: `sampling="random"` takes windows at random starts (all starts, or a fixed
-    draw of `samples_per_epoch`), shuffled each epoch and sharded over DDP ranks by the sampler;
-    `"blocks"` takes consecutive non-overlapping windows. Validation takes consecutive windows (or a
+    draw of `samples_per_epoch`), `"blocks"` consecutive non-overlapping windows; either way they are
+    shuffled in an order fixed by `seed` and the epoch, sharded over DDP ranks, and a checkpoint
+    resumes it mid-epoch (`ResumableDataModule`). Validation takes consecutive windows (or a
     fixed draw of `val_samples`) in a fixed order, so `limit_val_batches=N` always sees the same
-    first N batches. Test takes consecutive windows.
+    first N batches. Test takes consecutive windows of the test split, or of the validation stream
+    when the source has no test split (logged as `test/...`), and with `test_length_multipliers` also
+    consecutive windows of m x `block_size` tokens of the same stream (logged as `test/len{L}/...`,
+    L = m x `block_size`, batched by `batch_size // m`: the same tokens per batch).
 
     Args:
         tokenizer: text <-> ids, e.g. `CharTokenizer()`.
@@ -98,15 +102,16 @@ class TextDataModule(LightningDataModule):
         text_column: column holding the text.
         train_split: split to train on.
         val_split: split to validate on; default `validation` when present, else cut from train.
-        test_split: split to test on; default `test` when present, else none.
+        test_split: split to test on; default `test` when present, else the validation stream.
         train_fraction: share of the train stream kept for training when there is no validation split.
-        block_size: tokens per input sequence (the model's `max_seq_len`).
+        block_size: tokens per input sequence.
         batch_size: sequences per batch (per device).
         sampling: training windows at random starts, or consecutive blocks.
         samples_per_epoch: with random sampling, a fixed draw of this many windows per epoch
             instead of every start.
         val_samples: a fixed draw of this many validation windows instead of consecutive blocks.
-        seed: seed of the fixed draws (the training order follows the trainer's seed).
+        test_length_multipliers: extra test sets of windows at these multiples of `block_size`.
+        seed: seed of the fixed draws and of the training order.
         cache_dir: `datasets` cache directory; default `datasets`' own.
         num_proc: processes for loading and tokenising.
         num_workers: data loader worker processes.
@@ -128,6 +133,7 @@ class TextDataModule(LightningDataModule):
         sampling: Literal["random", "blocks"] = "random",
         samples_per_epoch: int | None = None,
         val_samples: int | None = None,
+        test_length_multipliers: Sequence[int] = (),
         seed: int = 0,
         cache_dir: str | None = None,
         num_proc: int | None = None,
@@ -150,6 +156,8 @@ class TextDataModule(LightningDataModule):
         for arg, value in [("samples_per_epoch", samples_per_epoch), ("val_samples", val_samples)]:
             if value is not None and value < 1:
                 raise ValueError(f"{arg} must be positive or None, got {value}")
+        if any(m < 1 for m in test_length_multipliers):
+            raise ValueError(f"test_length_multipliers must be >= 1, got {list(test_length_multipliers)}")
         self.tokenizer = tokenizer
         self.path = path
         self.name = name
@@ -164,6 +172,7 @@ class TextDataModule(LightningDataModule):
         self.sampling = sampling
         self.samples_per_epoch = samples_per_epoch
         self.val_samples = val_samples
+        self.test_length_multipliers = tuple(dict.fromkeys(test_length_multipliers))
         self.seed = seed
         self.cache_dir = cache_dir
         self.num_proc = num_proc
@@ -175,9 +184,19 @@ class TextDataModule(LightningDataModule):
         return self._fit_tokenizer().vocab_size
 
     @property
-    def max_seq_len(self) -> int:
-        """Longest sequence fed to the model: `block_size`."""
+    def train_seq_len(self) -> int:
+        """Tokens per training sequence: `block_size`."""
         return self.block_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence fed to the model: `block_size` times the largest test length multiplier."""
+        return self.block_size * max(self.test_length_multipliers, default=1)
+
+    @property
+    def test_set_names(self) -> list[str]:
+        """`test` (windows of `block_size`), then `len{L}` per test length multiplier."""
+        return ["test"] + [f"len{m * self.block_size}" for m in self.test_length_multipliers]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, e.g. a generation prompt."""
@@ -286,28 +305,39 @@ class TextDataModule(LightningDataModule):
             val_starts = random_starts(n_val, self.block_size, self.val_samples, self.seed)
         self.train_set = TokenWindows(streams["train"], train_starts, self.block_size)
         self.val_set = TokenWindows(streams["val"], val_starts, self.block_size)
-        if "test" in streams:
-            test = streams["test"]
-            self.test_set = TokenWindows(test, block_starts(len(test), self.block_size), self.block_size)
+        test = streams.get("test", streams["val"])
+        self.test_sets = {"test": TokenWindows(test, block_starts(len(test), self.block_size), self.block_size)}
+        for name, m in zip(self.test_set_names[1:], self.test_length_multipliers, strict=True):
+            length = m * self.block_size
+            if len(test) <= length:
+                raise ValueError(
+                    f"test_length_multipliers: the test stream has {len(test)} tokens, too few for "
+                    f"windows of {m} x block_size = {length}"
+                )
+            self.test_sets[name] = TokenWindows(test, block_starts(len(test), length), length)
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+    def _loader_options(self) -> dict[str, Any]:
+        """DataLoader options of every split."""
+        return {
+            "num_workers": self.num_workers,
+            "persistent_workers": self.num_workers > 0,
+            "pin_memory": torch.cuda.is_available(),
+        }
+
+    def _loader(self, dataset: Dataset, batch_size: int | None = None) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)  # leaves the global RNG alone
+        return DataLoader(dataset, batch_size or self.batch_size, generator=generator, **self._loader_options())
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        options = self._loader_options()
+        return self.resumable_loader(self.train_set, self.batch_size, self.seed, drop_last=True, **options)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set)
 
-    def test_dataloader(self) -> DataLoader:
-        if not hasattr(self, "test_set"):
-            raise ValueError("the source has no test split: name one with test_split")
-        return self._loader(self.test_set, shuffle=False)
+    def test_dataloader(self) -> list[DataLoader]:
+        multipliers = (1, *self.test_length_multipliers)
+        return [
+            self._loader(self.test_sets[name], batch_size=max(1, self.batch_size // m))
+            for name, m in zip(self.test_set_names, multipliers, strict=True)
+        ]

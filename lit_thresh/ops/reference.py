@@ -30,6 +30,27 @@ def rectified_power(x: torch.Tensor, power: float) -> torch.Tensor:
     return torch.where(positive, safe**power, torch.zeros_like(x))
 
 
+def threshold_attention_weights(
+    q: torch.Tensor, k: torch.Tensor, beta: float | torch.Tensor = 1.0, power: float = 2.0, scale: float = 1.0
+) -> torch.Tensor:
+    """The causal map ReLU(scale q.k - tau)^p that threshold attention applies to v.
+
+    q: (B, Hq, Tq, D); k: (B, Hkv, Tk, D); Hq % Hkv == 0, Tq <= Tk; beta: float, 0-d tensor or (Hq,)
+    tensor. Returns (B, Hq, Tq, Tk) in q's dtype, exactly 0 on future keys for any beta.
+    """
+    _, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(hq // hkv, dim=1)  # (B, Hq, Tk, D)
+
+    beta = torch.as_tensor(beta, dtype=q.dtype, device=q.device).reshape(-1, 1, 1)  # (1|Hq, 1, 1)
+    pos = threshold_positions(tq, tk, q.device)  # (Tq,)
+    tau = beta * threshold_gain(pos, d, q.dtype)[:, None]  # (1|Hq, Tq, 1)
+
+    scores = scale * (q @ k.transpose(-1, -2)) - tau  # (B, Hq, Tq, Tk)
+    causal = torch.arange(tk, device=q.device)[None, :] <= pos[:, None]  # (Tq, Tk)
+    return rectified_power(scores.masked_fill(~causal, 0.0), power)  # masked keys: exactly 0
+
+
 def threshold_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -38,25 +59,13 @@ def threshold_attention_reference(
     power: float = 2.0,
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal threshold rectified attention, materialising the (Tq, Tk) score matrix.
+    """Causal threshold rectified attention, materialising the (Tq, Tk) weights.
 
     q: (B, Hq, Tq, D); k: (B, Hkv, Tk, D); v: (B, Hkv, Tk, Dv); Hq % Hkv == 0, Tq <= Tk.
     beta: float, 0-d tensor or (Hq,) tensor. Returns (B, Hq, Tq, Dv) in q's dtype.
     """
-    _, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    group = hq // hkv
-    k = k.repeat_interleave(group, dim=1)  # (B, Hq, Tk, D)
-    v = v.repeat_interleave(group, dim=1)  # (B, Hq, Tk, Dv)
-
-    beta = torch.as_tensor(beta, dtype=q.dtype, device=q.device).reshape(-1, 1, 1)  # (1|Hq, 1, 1)
-    pos = threshold_positions(tq, tk, q.device)  # (Tq,)
-    tau = beta * threshold_gain(pos, d, q.dtype)[:, None]  # (1|Hq, Tq, 1)
-
-    scores = scale * (q @ k.transpose(-1, -2)) - tau  # (B, Hq, Tq, Tk)
-    causal = torch.arange(tk, device=q.device)[None, :] <= pos[:, None]  # (Tq, Tk)
-    scores = scores.masked_fill(~causal, 0.0)  # masked keys contribute exactly 0 for any beta
-    return rectified_power(scores, power) @ v  # (B, Hq, Tq, Dv)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # (B, Hq, Tk, Dv)
+    return threshold_attention_weights(q, k, beta, power, scale) @ v  # (B, Hq, Tq, Dv)
 
 
 def differential_threshold_attention_reference(

@@ -101,8 +101,8 @@ def make_datamodule(**kwargs):
 def test_datamodule_splits_and_batches():
     dm = make_datamodule()
     assert dm.vocab_size == 64
-    assert dm.max_seq_len == 128  # the 4x test set
-    assert dm.test_set_names == ["all", "L64_N4", "L128_N4"]
+    assert dm.train_seq_len == 64 and dm.max_seq_len == 128  # the 4x test sets
+    assert dm.test_set_names == ["all", "len64_n4", "len64_n8", "len128_n4", "len128_n16"]
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (16, 64)
@@ -116,9 +116,35 @@ def test_datamodule_splits_and_batches():
 
     dm.setup("test")
     loaders = dm.test_dataloader()
-    assert [len(loader.dataset) for loader in loaders] == [40, 40, 40]
-    assert [loader.dataset[0]["input_ids"].shape[0] for loader in loaders] == [32, 64, 128]
+    assert [len(loader.dataset) for loader in loaders] == [40] * 5
+    assert [loader.dataset[0]["input_ids"].shape[0] for loader in loaders] == [32, 64, 64, 128, 128]
     assert not torch.equal(dm.datasets["test/all"][:]["input_ids"], val), "test and val share a seed"
+
+
+@pytest.mark.parametrize("vocab_size", [32, 200])
+def test_length_test_sets_scale_the_length_and_the_pairs(vocab_size):
+    """m x L with the same N pairs and with m x N pairs, where the vocabulary holds m x N keys."""
+    val = [MQARSetting(40, 5, 30), MQARSetting(24, 3, 30)]
+    dm = make_datamodule(vocab_size=vocab_size, val=val, test_length_multipliers=[2, 4, 8], test_examples=12)
+    expected = {"all": (40, None, 60, 16)}  # name -> (length, pairs per row, examples, batch); `all` = val
+    for m in (2, 4, 8):
+        for s in val:
+            for pairs in (s.num_kv_pairs, m * s.num_kv_pairs):
+                if pairs < vocab_size // 2:
+                    expected[f"len{m * s.seq_len}_n{pairs}"] = (m * s.seq_len, pairs, 12, 16 // m)
+    if vocab_size == 32:  # 16 keys: 8 x 3 and 4 x 5 pairs and more do not fit
+        assert "len192_n24" not in expected and "len160_n20" not in expected and "len320_n5" in expected
+    assert dm.test_set_names == list(expected)
+    assert dm.max_seq_len == 320 and dm.train_seq_len == 64
+    dm.setup("test")
+    for name, loader in zip(dm.test_set_names, dm.test_dataloader(), strict=True):
+        length, pairs, examples, batch_size = expected[name]
+        data = loader.dataset[:]
+        assert data["input_ids"].shape == (examples, length), name
+        supervised = (data["labels"] != IGNORE_INDEX).sum(dim=1)  # (examples,)
+        assert pairs is None or (supervised == pairs).all(), name
+        assert data["input_ids"].max() < vocab_size
+        assert loader.batch_size == batch_size, name  # the same tokens per batch
 
 
 def test_datamodule_is_deterministic_per_seed():
@@ -138,6 +164,7 @@ def test_datamodule_is_deterministic_per_seed():
         ({"val": [MQARSetting(seq_len=16, num_kv_pairs=8, num_examples=4)]}, "seq_len"),
         ({"vocab_size": 8}, "vocab_size"),
         ({"test_length_multipliers": [0]}, "test_length_multipliers"),
+        ({"test_examples": 0}, "test_examples"),
         ({"batch_size": 0}, "batch_size"),
     ],
 )

@@ -10,10 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import SequentialSampler
 
+from lit_thresh.data.resumable import ResumableSampler
 from lit_thresh.data.text import TextDataModule, block_starts
 from lit_thresh.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
+from lit_thresh.module import LanguageModel
 
 WORDS = "the king queen lord speak hear me now good night sweet prince to be or not".split()
 
@@ -42,7 +44,8 @@ def ready(dm: TextDataModule) -> TextDataModule:
 
 
 def stream(dm: TextDataModule, split: str) -> str:
-    return dm.decode(getattr(dm, f"{split}_set").tokens.tolist())
+    windows = dm.test_sets["test"] if split == "test" else getattr(dm, f"{split}_set")
+    return dm.decode(windows.tokens.tolist())
 
 
 def cache_files(dm: TextDataModule) -> list[str]:
@@ -100,8 +103,9 @@ def test_validation_and_test_splits_used_when_present(tmp_path):
     dm.setup("test")
     for split, role in [("train", "train"), ("validation", "val"), ("test", "test")]:
         assert stream(dm, role) == (tmp_path / f"{split}.txt").read_text()
-    test_batches = list(dm.test_dataloader())
-    assert sum(len(batch["input_ids"]) for batch in test_batches) == len(dm.test_set)
+    (loader,) = dm.test_dataloader()
+    assert dm.test_set_names == ["test"]
+    assert sum(len(batch["input_ids"]) for batch in loader) == len(loader.dataset)
 
 
 @pytest.mark.parametrize("pattern", ["missing.txt", "*.md"])
@@ -136,8 +140,10 @@ def test_bad_arguments(tmp_path, text_file):
         TextDataModule("char", data_files=str(text_file))
     with pytest.raises(ValueError, match="too few for block_size=100000"):
         ready(make_dm(tmp_path, str(text_file), block_size=100_000))
-    with pytest.raises(ValueError, match="no test split"):
-        ready(make_dm(tmp_path, str(text_file))).test_dataloader()
+    with pytest.raises(ValueError, match="test_length_multipliers must be >= 1"):
+        make_dm(tmp_path, str(text_file), test_length_multipliers=[2, 0])
+    with pytest.raises(ValueError, match=r"test_length_multipliers: the test stream has \d+ tokens, too few"):
+        ready(make_dm(tmp_path, str(text_file), test_length_multipliers=[1000]))
 
 
 # Tokenizers
@@ -285,13 +291,13 @@ def test_random_and_block_sampling(tmp_path, text_file):
 
 
 def test_train_order_is_seeded_per_epoch_and_distinct_per_rank(tmp_path, text_file):
-    """Lightning swaps the shuffling sampler for DistributedSampler(shuffle=True, seed=<global seed>)."""
-    dm = ready(make_dm(tmp_path, str(text_file), samples_per_epoch=512))
+    """The training order: a ResumableSampler, a shuffle of (seed, epoch) sharded over DDP ranks."""
+    dm = ready(make_dm(tmp_path, str(text_file), samples_per_epoch=512, seed=7))
     loader = dm.train_dataloader()
-    assert isinstance(loader.sampler, RandomSampler) and loader.drop_last
+    assert isinstance(loader.sampler, ResumableSampler) and loader.sampler.seed == 7 and loader.drop_last
 
     def indices(rank, epoch, seed=7):
-        sampler = DistributedSampler(dm.train_set, num_replicas=2, rank=rank, shuffle=True, seed=seed)
+        sampler = ResumableSampler(dm.train_set, dm.batch_size, num_replicas=2, rank=rank, seed=seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -329,3 +335,46 @@ def test_val_windows_fixed_and_independent_of_limit_val_batches(tmp_path, text_f
     trainer = Trainer(limit_val_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.validate(model, datamodule=make_dm(tmp_path, str(text_file), val_samples=val_samples, seed=3))
     assert torch.equal(torch.cat(model.seen), everything[:8])
+
+
+# Length generalisation
+
+
+def test_length_test_sets_are_fixed_consecutive_windows(tmp_path, text_file):
+    """Without a test split, every test set cuts the validation stream into windows of m x block_size."""
+    dm = ready(make_dm(tmp_path, str(text_file), test_length_multipliers=[2, 4, 8]))
+    assert dm.test_set_names == ["test", "len32", "len64", "len128"]
+    assert dm.train_seq_len == 16 and dm.max_seq_len == 128
+    loaders = dm.test_dataloader()
+    val = dm.val_set.tokens
+    for name, loader, length in zip(dm.test_set_names, loaders, [16, 32, 64, 128], strict=True):
+        assert loader.batch_size == max(1, 4 * 16 // length), name  # the same tokens per batch
+        assert isinstance(loader.sampler, SequentialSampler)
+        windows = torch.cat([batch["input_ids"] for batch in loader])  # (n, length)
+        labels = torch.cat([batch["labels"] for batch in loader])
+        n = (len(val) - 1) // length
+        assert windows.shape == (n, length), name
+        assert torch.equal(labels.flatten(), val[1 : n * length + 1].long()), name  # every token once, in order
+    again = ready(make_dm(tmp_path, str(text_file), test_length_multipliers=[2, 4, 8], seed=5))
+    for loader, other in zip(loaders, again.test_dataloader(), strict=True):
+        assert torch.equal(torch.cat([b["input_ids"] for b in loader]), torch.cat([b["input_ids"] for b in other]))
+
+
+def test_fit_then_test_logs_every_length(tmp_path, text_file):
+    dm = make_dm(tmp_path, str(text_file), test_length_multipliers=[2, 4], sampling="blocks")
+    model = LanguageModel(dm.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=dm.max_seq_len)
+    trainer = Trainer(
+        max_steps=2,
+        limit_val_batches=1,
+        limit_test_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, dm)
+    trainer.test(model, dm)
+    expected = {f"test{s}/{m}" for s in ("", "/len32", "/len64") for m in ("loss", "acc", "ppl")}
+    assert expected <= set(trainer.callback_metrics)
+    assert 0 <= trainer.callback_metrics["test/len64/acc"] <= 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import zlib
 
 import torch
@@ -75,8 +77,14 @@ def check_against_reference(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, b
     if not all(math.isfinite(f) for f in floors):
         return False
     out_err = rel_err(out, ref)
+    grad_errs = {n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv", "dbeta"), grads, ref_grads)}
+    if os.environ.get("LIT_THRESH_ERROR_LOG"):  # one JSON line per case, to report the errors seen
+        case = {"device": str(device), "dtype": str(dtype), "backend": backend, "shape": [b, hq, hkv, tq, tk, d, dv],
+                "beta": str(beta) if not isinstance(beta, torch.Tensor) else "tensor", "power": power,
+                "layout": layout, "out": out_err, **grad_errs}
+        with open(os.environ["LIT_THRESH_ERROR_LOG"], "a") as f:
+            f.write(json.dumps(case) + "\n")
     assert out_err < TOLERANCE[dtype] + floors[0], f"out: {out_err:.2e}"
     grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
-    grad_errs = {n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv", "dbeta"), grads, ref_grads)}
     assert all(e < grad_tol + f for e, f in zip(grad_errs.values(), floors[1:])), f"tolerance {grad_tol}: {grad_errs}"
     return True

@@ -1,0 +1,85 @@
+"""NaNGuard in the ``lit_thresh`` command: a NaN loss or an infinite gradient stops training with an error
+naming the step, before the optimizer step, and the last checkpoint keeps the finite weights before it."""
+
+import math
+
+import pytest
+import torch
+
+from lit_thresh.cli import main
+from lit_thresh.module import LanguageModel
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
+
+BAD_STEP = 4  # steps 0-3 train normally; step 4 goes wrong, after the step-4 checkpoint
+# A tiny MQAR fit (8 steps, softmax attention, last.ckpt every 2 steps).
+TINY = """
+trainer:
+  accelerator: cpu
+  max_epochs: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger: {init_args: {name: nan}}
+step_checkpoint: {every_n_train_steps: 2}
+diagnostics: {enabled: false}
+model: {d_model: 16, n_layers: 1, mlp_ratio: 0}
+data:
+  class_path: lit_thresh.data.MQARDataModule
+  init_args:
+    vocab_size: 32
+    train: [{seq_len: 16, num_kv_pairs: 2, num_examples: 64}]
+    val: [{seq_len: 16, num_kv_pairs: 2, num_examples: 16}]
+    test_length_multipliers: []
+    batch_size: 8
+"""
+
+
+def poison(monkeypatch, what: str) -> list[LanguageModel]:
+    """Makes the loss (NaN) or the first parameter's gradient (inf) of training step BAD_STEP non-finite;
+    returns a list that will hold the model."""
+    models = []
+    forward, on_after_backward = LanguageModel.forward, LanguageModel.on_after_backward
+
+    def bad_forward(self: LanguageModel, idx: torch.Tensor) -> torch.Tensor:
+        models[:] = [self]
+        logits = forward(self, idx)  # (B, T, V)
+        bad = what == "loss" and self.training and self.trainer.global_step == BAD_STEP
+        return logits * math.nan if bad else logits
+
+    def bad_gradient(self: LanguageModel) -> None:
+        on_after_backward(self)
+        if what == "gradient" and self.trainer.global_step == BAD_STEP:
+            next(self.parameters()).grad.view(-1)[int(torch.randint(8, ()))] = math.inf
+
+    monkeypatch.setattr(LanguageModel, "forward", bad_forward)
+    monkeypatch.setattr(LanguageModel, "on_after_backward", bad_gradient)
+    return models
+
+
+@pytest.mark.parametrize("what", ["loss", "gradient"])
+def test_non_finite_step_stops_before_the_update(tmp_path, monkeypatch, what):
+    models = poison(monkeypatch, what)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    seed = str(int(torch.randint(10_000, ())))
+    with pytest.raises(SystemExit) as error:  # the command's one-line error, no traceback
+        main(["fit", "--config", "tiny.yaml", "--seed_everything", seed])
+
+    message = str(error.value.code)
+    assert message.startswith("lit_thresh: error: non-finite") and "\n" not in message
+    assert f"at global step {BAD_STEP} (epoch 0, batch {BAD_STEP})" in message
+    assert "stopped before this optimizer step" in message
+    if what == "loss":
+        assert "non-finite training loss nan" in message
+    else:
+        first = next(name for name, _ in models[0].named_parameters())
+        assert f"non-finite gradients of {first} " in message and "(loss " in message
+
+    checkpoints = tmp_path / "lightning_logs/nan/version_0/checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]  # nothing written at or after the bad step
+    checkpoint = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == BAD_STEP
+    weights = checkpoint["state_dict"]
+    assert all(value.isfinite().all() for value in weights.values())
+    for name, value in models[0].state_dict().items():  # the bad step changed nothing: model == checkpoint
+        torch.testing.assert_close(value, weights[name], rtol=0, atol=0)
