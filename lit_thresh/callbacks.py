@@ -78,8 +78,8 @@ class RNGState(Callback):
     before the first training batch after a resume, so dropout draws the masks of an uninterrupted run.
 
     Exact when only the model draws from the global generators: lit_thresh's DataLoaders carry their own
-    (``ResumableDataModule``). Every DDP rank restores the saved (rank 0's) states; ``seed_everything``
-    gives every rank the same seed, so their states agree anyway.
+    (``ResumableDataModule``). Every DDP rank restores the saved (rank 0's) states, the CUDA one onto its
+    own device; ``seed_everything`` gives every rank the same seed, so their states agree anyway.
     """
 
     def __init__(self) -> None:
@@ -88,7 +88,7 @@ class RNGState(Callback):
     def state_dict(self) -> dict:
         state = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+            state["cuda"] = torch.cuda.get_rng_state()  # this rank's device (rank 0's: it saves)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -98,8 +98,8 @@ class RNGState(Callback):
         if self._saved is None:
             return
         torch.set_rng_state(self._saved["cpu"])
-        if "cuda" in self._saved and torch.cuda.device_count() == len(self._saved["cuda"]):
-            torch.cuda.set_rng_state_all(self._saved["cuda"])
+        if "cuda" in self._saved and pl_module.device.type == "cuda":
+            torch.cuda.set_rng_state(self._saved["cuda"], pl_module.device)
         self._saved = None
 
 
@@ -149,9 +149,11 @@ class NaNGuard(Callback):
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """Writes ``last.ckpt`` every ``every_n_train_steps`` optimizer steps (0: never), so that a crash loses
-    at most that many steps; the epoch-end ``last.ckpt`` and the best checkpoints are another
-    ModelCheckpoint's business. ``dirpath``: default, the logger's ``<log_dir>/checkpoints``.
+    """Writes ``last.ckpt`` every ``every_n_train_steps`` optimizer steps (0: never), after every
+    validation and at the end of every training epoch, so that a crash loses at most that many steps and
+    ``--ckpt_path last`` always means the latest state. (Lightning's own ``save_last`` rewrites it only
+    when a new best checkpoint is saved.) The best checkpoints are another ModelCheckpoint's business.
+    ``dirpath``: default, the logger's ``<log_dir>/checkpoints``.
     """
 
     def __init__(self, every_n_train_steps: int = 500, dirpath: str | None = None) -> None:
@@ -165,3 +167,13 @@ class StepCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_train_steps,
             enable_version_counter=False,  # overwrite last.ckpt, whoever wrote it
         )
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._save_last_now(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._save_last_now(trainer)
+
+    def _save_last_now(self, trainer: Trainer) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # sanity check, or saved at this step already
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))

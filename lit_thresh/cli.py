@@ -21,7 +21,8 @@ from lit_thresh.resume import check_hyperparameters, resolve_last
 
 
 class LitThreshCLI(LightningCLI):
-    """LightningCLI with a ``checkpoint`` group (ModelCheckpoint, last + best), a ``diagnostics`` group
+    """LightningCLI with a ``checkpoint`` group (ModelCheckpoint, the best), a ``step_checkpoint`` group
+    (StepCheckpoint, last.ckpt every N steps, validation and epoch), a ``diagnostics`` group
     (AttentionDiagnostics), a RichProgressBar, and the data's vocabulary size and longest sequence fed to
     the model.
 
@@ -45,7 +46,7 @@ class LitThreshCLI(LightningCLI):
         hyperparameters: here ``--ckpt_path last`` becomes the run it resumes (lit_thresh.resume.resolve_last),
         and hyperparameters that differ from the checkpoint's are an error (after_instantiate_classes)."""
         if subcommand := self.config.get("subcommand"):
-            resolve_last(self.config[subcommand])
+            resolve_last(self.config[subcommand], fit=subcommand == "fit")
 
     def after_instantiate_classes(self) -> None:
         self.model.check_data_lengths(self.datamodule)  # before any run directory or config.yaml is written
@@ -58,7 +59,7 @@ class LitThreshCLI(LightningCLI):
         parser.add_class_arguments(StepCheckpoint, "step_checkpoint")  # last.ckpt every N steps; 0: off
         parser.link_arguments("checkpoint.dirpath", "step_checkpoint.dirpath")
         parser.add_class_arguments(AttentionDiagnostics, "diagnostics")  # off: --diagnostics.enabled false
-        parser.set_defaults({"checkpoint.monitor": "val/loss", "checkpoint.save_last": True})
+        parser.set_defaults({"checkpoint.monitor": "val/loss"})  # last.ckpt: step_checkpoint's
         parser.set_defaults({"checkpoint.enable_version_counter": False})  # step_checkpoint writes last.ckpt too
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.max_seq_len", "model.max_seq_len", apply_on="instantiate")

@@ -176,12 +176,17 @@ def best_checkpoint(run_dir: Path) -> Path:
 
 
 def final_scalars(run_dir: Path) -> dict[str, float]:
-    """The last value of every scalar in run_dir's TensorBoard event files (fit, then test)."""
+    """The last value of every scalar in run_dir's TensorBoard event files (fit, then test), and the best
+    value over the run of each validation loss, perplexity and accuracy as ``best/<tag>``."""
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
     events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0}, purge_orphaned_data=False)
     events.Reload()
     scalars = {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
+    for tag in [t for t in scalars if t.startswith("val/")]:  # best over the run: best/val/loss, ...
+        best = min if tag.endswith(("loss", "ppl")) else max if tag.endswith("acc") else None
+        if best is not None:
+            scalars[f"best/{tag}"] = best(event.value for event in events.Scalars(tag))
     # ThroughputMonitor logs the all-device rate only under DDP; on one device it is the device's
     if "train/items_per_sec" not in scalars and "train/device/items_per_sec" in scalars:
         scalars["train/items_per_sec"] = scalars["train/device/items_per_sec"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import lightning as L
@@ -10,37 +11,11 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
-from torchmetrics.text import Perplexity
 
 from lit_thresh.attention import AttentionFactory, SoftmaxAttention
+from lit_thresh.metrics import IGNORE_INDEX, token_metrics, update_token_metrics
 from lit_thresh.model import Norm, Positional, Transformer
 from lit_thresh.schedule import WarmupCosine
-
-IGNORE_INDEX = -100  # labels that are not supervised
-
-
-def token_metrics(vocab_size: int, perplexity: bool = True, training: bool = False) -> nn.ModuleDict:
-    """Loss (mean over supervised tokens), token accuracy and optionally perplexity, for one data set.
-
-    training=True, for values logged every step: under DDP each step's values are synced over the ranks
-    (``dist_sync_on_step``; a no-op on one device), and torchmetrics' input checks (NaN filtering, label
-    validation), which wait for the GPU on every update, are off so the CPU can queue the next step.
-    """
-    kwargs = {"dist_sync_on_step": training}
-    metrics = nn.ModuleDict(
-        {
-            "loss": MeanMetric(nan_strategy="disable" if training else "warn", **kwargs),
-            "acc": MulticlassAccuracy(
-                vocab_size, average="micro", ignore_index=IGNORE_INDEX, validate_args=not training, **kwargs
-            ),
-        }
-    )
-    if perplexity:
-        metrics["ppl"] = Perplexity(ignore_index=IGNORE_INDEX)
-    return metrics
-
 
 class LanguageModel(L.LightningModule):
     """A Transformer (lit_thresh.model) trained with cross-entropy on batch["labels"] (-100 = ignored).
@@ -86,7 +61,7 @@ class LanguageModel(L.LightningModule):
             norm=norm,
         )
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self.train_metrics = token_metrics(vocab_size, perplexity=False, training=True)  # perplexity = exp(train/loss)
+        self.train_metrics = token_metrics(vocab_size, training=True)  # perplexity = exp(train/loss)
         self.eval_metrics = nn.ModuleDict()  # "val" / "test" -> one token_metrics per data set, see setup
         self.eval_prefixes: dict[str, list[str]] = {}
         self.last_batch_shape: tuple[int, int] | None = None  # (B, T) of the last step, for flops_per_batch
@@ -128,13 +103,15 @@ class LanguageModel(L.LightningModule):
         self.last_batch_shape = tuple(labels.shape)
         logits = self(batch["input_ids"])  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-        metrics["loss"](loss, (labels != IGNORE_INDEX).sum())  # weighted by the supervised tokens
-        metrics["acc"](logits.argmax(dim=-1), labels)
-        if "ppl" in metrics:
-            metrics["ppl"](logits.float(), labels)
+        update_token_metrics(metrics, loss, logits, labels)
         for name, metric in metrics.items():
             self.log(f"{prefix}/{name}", metric, add_dataloader_idx=False, **log_kwargs)
         return loss
+
+    @functools.cached_property
+    def n_params(self) -> int:
+        """Number of parameters (the tied embedding / LM head counted once)."""
+        return sum(p.numel() for p in self.parameters())
 
     @property
     def flops_per_batch(self) -> int | None:
@@ -143,9 +120,8 @@ class LanguageModel(L.LightningModule):
         if self.last_batch_shape is None:
             return None
         batch, seq_len = self.last_batch_shape
-        n_params = sum(p.numel() for p in self.parameters())
         hp = self.hparams
-        per_token = 2 * n_params + 4 * hp.n_layers * hp.d_model * seq_len
+        per_token = 2 * self.n_params + 4 * hp.n_layers * hp.d_model * seq_len
         return (3 if self.training else 1) * per_token * batch * seq_len
 
     def _eval_step(self, batch: dict[str, torch.Tensor], split: str, dataloader_idx: int) -> None:
@@ -178,9 +154,8 @@ class LanguageModel(L.LightningModule):
         return self.model.generate(idx, max_new_tokens, temperature, top_k)
 
     def on_train_start(self) -> None:
-        n_params = sum(p.numel() for p in self.parameters())
-        rank_zero_info(f"{type(self.model.blocks[0].attn).__name__} model: {n_params:,} parameters")
-        self.log("n_params", float(n_params), sync_dist=True)  # the same on every rank
+        rank_zero_info(f"{type(self.model.blocks[0].attn).__name__} model: {self.n_params:,} parameters")
+        self.log("n_params", float(self.n_params), sync_dist=True)  # the same on every rank
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]

@@ -23,14 +23,15 @@ def latest_run(root: Path) -> Path | None:
     return max(runs, key=lambda run: (run / "checkpoints" / LAST).stat().st_mtime, default=None)
 
 
-def resolve_last(config: Namespace) -> None:
+def resolve_last(config: Namespace, fit: bool = True) -> None:
     """Turns a subcommand config's ``ckpt_path: last`` into the path of the checkpoint it resumes.
 
     With the default checkpoint folder, that is the newest ``last.ckpt`` among the logger's runs
     (``<save_dir>/<name>/version_N``), and the logger's ``version`` is set to N (unless given), so the
-    resumed run writes into the same directory instead of a new ``version_N``; a TensorBoardLogger's
-    ``purge_step`` is set to the checkpoint's step, so TensorBoard hides what the interrupted run logged
-    after its checkpoint (the resumed run logs those steps again). With ``checkpoint.dirpath``
+    resumed run writes into the same directory instead of a new ``version_N``; when resuming ``fit``, a
+    TensorBoardLogger's ``purge_step`` is set to the checkpoint's step, so TensorBoard hides what the
+    interrupted run logged after its checkpoint (the resumed run logs those steps again). `validate`,
+    `test` and `predict` (fit=False) log into the same directory and hide nothing. With ``checkpoint.dirpath``
     set, it is ``<dirpath>/last.ckpt``. Without any ``last.ckpt``, ``last`` stays, and Lightning starts the
     run from scratch with a warning: the same command starts a run and resumes it.
     """
@@ -52,7 +53,7 @@ def resolve_last(config: Namespace) -> None:
     if args.version is None:
         version = run.name.removeprefix("version_")
         args.version = int(version) if version.isdigit() else version
-        if "purge_step" in args and args.purge_step is None:
+        if fit and "purge_step" in args and args.purge_step is None:
             args.purge_step = _read(config.ckpt_path)["global_step"]
 
 
@@ -79,7 +80,7 @@ def check_hyperparameters(ckpt_path: str | None, model: LightningModule) -> None
     if not saved:
         return
     saved, given = _flatten(dict(saved)), _flatten(dict(model.hparams))
-    keys = sorted((saved.keys() & given.keys()) - {"_instantiator"})
+    keys = sorted((saved.keys() & given.keys()) - {"_instantiator", "compile"})  # compile changes no weights
     differ = [
         f"model.{key}: checkpoint {saved[key]!r}, given {given[key]!r}" for key in keys if saved[key] != given[key]
     ]

@@ -124,4 +124,5 @@ def test_defaults(capsys):
     assert config["seed_everything"] == 1234
     assert config["trainer"]["precision"] == "32-true"  # no GPU here
     assert config["trainer"]["logger"]["init_args"]["default_hp_metric"] is False
-    assert config["checkpoint"]["save_last"] is True
+    assert config["checkpoint"]["save_last"] is None  # step_checkpoint owns last.ckpt
+    assert config["step_checkpoint"]["every_n_train_steps"] == 500

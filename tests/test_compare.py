@@ -159,15 +159,18 @@ def test_table_and_csv_are_mean_and_std_over_seeds(tmp_path):
 def test_final_scalars_length_points_and_plot(tmp_path):
     rng = torch.Generator().manual_seed(1)
     final: dict[str, float] = {}
+    logged: dict[str, list[float]] = {}
     for part, tags in [("fit", ["val/acc"]), ("test", ["test/acc", "test/len64_n4/acc", "test/len64_n8/acc"])]:
         writer = SummaryWriter(tmp_path, filename_suffix=part)
         for step in range(3):
             for tag in tags:
                 final[tag] = torch.rand((), generator=rng).item()
+                logged.setdefault(tag, []).append(final[tag])
                 writer.add_scalar(tag, final[tag], step)
         writer.close()
     metrics = compare.final_scalars(tmp_path)
-    assert metrics == pytest.approx(final)  # the last value of every tag, from both event files
+    # the last value of every tag, from both event files, and the best validation accuracy of the run
+    assert metrics == pytest.approx(final | {"best/val/acc": max(logged["val/acc"])})
 
     result = {"metrics": metrics, "eval_length": 32, "eval_pairs": 4}
     assert compare.length_points(result, "acc") == {

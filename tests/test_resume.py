@@ -21,6 +21,7 @@ from torch.utils.data import StackDataset
 from lit_thresh.checkpoint_io import AtomicCheckpointIO, temporary_files
 from lit_thresh.cli import main
 from lit_thresh.data.resumable import ResumableSampler
+from tests.test_nan_guard import TINY as NAN_TINY
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
 
@@ -281,3 +282,22 @@ def test_kill_during_save_keeps_the_last_complete_checkpoint(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"global_step": 3, "w": weights}, path)
     assert torch.equal(torch.load(path, weights_only=True)["w"], weights) and not temporary_files(path)
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+
+
+
+def test_last_checkpoint_follows_every_validation_even_without_a_new_best(tmp_path, monkeypatch):
+    """Lightning's own save_last rewrites last.ckpt only with a new best; here it follows every epoch."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(NAN_TINY)
+    main(
+        [
+            "fit", "--config", "tiny.yaml", "--trainer.max_epochs", "3",
+            "--step_checkpoint.every_n_train_steps", "0",  # no step saves: only validation / epoch ends
+            "--checkpoint.monitor", "n_params", "--checkpoint.mode", "max",  # constant: a best once, never again
+        ]
+    )
+    checkpoints = tmp_path / "lightning_logs/nan/version_0/checkpoints"
+    last = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    best = [p for p in checkpoints.iterdir() if p.name != "last.ckpt"]
+    assert len(best) == 1 and torch.load(best[0], map_location="cpu", weights_only=True)["global_step"] == 8
+    assert last["global_step"] == 24  # 3 epochs of 8 steps

@@ -182,7 +182,8 @@ class Attention(nn.Module, ABC):
             k, v = cache.update(k, v)  # (B, G*Hkv, Tk, Dq), (B, Hkv, Tk, Dh)
         y = self.attend(q, k, v)  # (B, H, T, Dh)
         if self.record_weights:
-            self.last_weights = self.attention_weights(q, k)  # (B, H, T, Tk)
+            with torch.autocast(q.device.type, enabled=False):  # the map in float32 (or float64), as promised
+                self.last_weights = self.attention_weights(q, k)  # (B, H, T, Tk)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
 
     @abstractmethod

@@ -1,0 +1,70 @@
+"""TorchMetrics for next-token prediction: loss, token accuracy and perplexity over supervised tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchmetrics import MeanMetric, Metric
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+
+IGNORE_INDEX = -100  # labels that are not supervised
+
+
+class TokenMean(Metric):
+    """Sum of values over a count of tokens, summed over updates (and over ranks when synced).
+
+    Unlike torchmetrics' MeanMetric with ``nan_strategy="disable"`` it keeps the weights, and unlike its
+    other strategies and MulticlassAccuracy(ignore_index=...), its update never waits for the GPU.
+    """
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, total: torch.Tensor, count: torch.Tensor) -> None:
+        """total: 0-d sum of the values; count: 0-d number of tokens they cover."""
+        self.total += total.detach().double()
+        self.count += count.double()
+
+    def compute(self) -> torch.Tensor:
+        return (self.total / self.count).float()
+
+
+def token_metrics(vocab_size: int, training: bool = False) -> nn.ModuleDict:
+    """Loss (mean over supervised tokens) and token accuracy, plus perplexity unless training.
+
+    training=True, for the values logged every step: TokenMean for both, synced over DDP ranks on every
+    step (``dist_sync_on_step``; nothing to sync on one device) and free of host-device syncs, so the
+    CPU can queue the step's backward while the forward runs. Validation and test use torchmetrics'
+    own MeanMetric, MulticlassAccuracy and Perplexity, synced at the end of the epoch.
+    """
+    if training:
+        return nn.ModuleDict({name: TokenMean(dist_sync_on_step=True) for name in ("loss", "acc")})
+    return nn.ModuleDict(
+        {
+            "loss": MeanMetric(),
+            "acc": MulticlassAccuracy(vocab_size, average="micro", ignore_index=IGNORE_INDEX),
+            "ppl": Perplexity(ignore_index=IGNORE_INDEX),
+        }
+    )
+
+
+def update_token_metrics(
+    metrics: nn.ModuleDict, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
+) -> None:
+    """Feeds one batch to token_metrics: loss (0-d mean over supervised tokens), logits (B, T, V),
+    labels (B, T) with IGNORE_INDEX where unsupervised."""
+    supervised = labels != IGNORE_INDEX  # (B, T)
+    tokens = supervised.sum()
+    if isinstance(metrics["loss"], TokenMean):
+        correct = (logits.argmax(dim=-1) == labels) & supervised  # (B, T)
+        metrics["loss"](loss * tokens, tokens)
+        metrics["acc"](correct.sum(), tokens)
+        return
+    metrics["loss"](loss, tokens)  # weighted by the supervised tokens
+    metrics["acc"](logits.argmax(dim=-1), labels)
+    metrics["ppl"](logits.float(), labels)
