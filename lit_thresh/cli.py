@@ -17,7 +17,7 @@ from lit_thresh.callbacks import HparamsWithMetrics, NaNGuard, PeakMemory, RNGSt
 from lit_thresh.cli_errors import Parser, check_checkpoint, check_checkpoint_matches, exit_on_input_error
 from lit_thresh.diagnostics import AttentionDiagnostics
 from lit_thresh.module import LanguageModel
-from lit_thresh.resume import check_hyperparameters, resolve_last
+from lit_thresh.resume import check_data_order, check_hyperparameters, resolve_last
 
 
 class LitThreshCLI(LightningCLI):
@@ -53,6 +53,8 @@ class LitThreshCLI(LightningCLI):
         if subcommand := self.config.get("subcommand"):
             check_checkpoint_matches(self.config[subcommand].get("ckpt_path"), self.model)
             check_hyperparameters(self.config[subcommand].get("ckpt_path"), self.model)
+            if subcommand == "fit":
+                check_data_order(self.config[subcommand].get("ckpt_path"), self.datamodule, self.trainer.world_size)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ModelCheckpoint, "checkpoint")

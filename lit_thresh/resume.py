@@ -9,6 +9,8 @@ from jsonargparse import Namespace
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lit_thresh.data.resumable import ResumableDataModule
+
 LAST = ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION  # last.ckpt
 
 
@@ -89,3 +91,11 @@ def check_hyperparameters(ckpt_path: str | None, model: LightningModule) -> None
             f"ckpt_path {ckpt_path} was saved with other model hyperparameters than the ones given: "
             f"{'; '.join(differ)}. Give the run's own values (its config.yaml holds them all) or start a new run."
         )
+
+
+def check_data_order(ckpt_path: str | None, datamodule: object, num_replicas: int) -> None:
+    """Before a run resumes from ``ckpt_path`` (and writes anything), raises ValueError when the checkpoint's
+    training order was made with another data seed, batch size or number of ranks (ResumableDataModule)."""
+    if not isinstance(datamodule, ResumableDataModule) or not ckpt_path or not Path(ckpt_path).is_file():
+        return
+    datamodule.check_resume(_read(ckpt_path).get(type(datamodule).__qualname__, {}), num_replicas)

@@ -216,10 +216,14 @@ def test_resume_refuses_other_model_arguments(runs, monkeypatch, tmp_path):
 
 
 def test_resume_refuses_other_data_order(runs, monkeypatch, tmp_path):
-    monkeypatch.chdir(copy_run(runs["straight"], tmp_path / "run"))
+    run = copy_run(runs["straight"], tmp_path / "run")
+    monkeypatch.chdir(run)
+    before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", "tiny.yaml", "--ckpt_path", "last", "--data.init_args.batch_size", "8"])
     assert "batch_size 16 -> 8" in str(exit_info.value.code)
+    after = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    assert after == before  # refused before anything is written: config.yaml and events untouched
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2])

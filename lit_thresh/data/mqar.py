@@ -180,6 +180,9 @@ class MQARDataModule(ResumableDataModule):
     def vocab_size(self) -> int:
         return self.hparams.vocab_size
 
+    def order_settings(self) -> dict[str, int]:
+        return {"seed": self.hparams.seed, "batch_size": self.hparams.batch_size}
+
     @property
     def train_seq_len(self) -> int:
         """Longest training sequence: the positions the model learns."""

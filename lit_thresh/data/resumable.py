@@ -11,6 +11,17 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 _ORDER_KEYS = ("seed", "batch_size", "num_samples", "num_replicas")
 
 
+def check_order_settings(saved: dict[str, int], current: dict[str, int]) -> None:
+    """Raises ValueError naming every order setting (of those both give) that differs from the saved one."""
+    keys = [key for key in _ORDER_KEYS if key in saved and key in current]
+    changed = [f"{key} {saved[key]} -> {current[key]}" for key in keys if saved[key] != current[key]]
+    if changed:
+        raise ValueError(
+            "cannot resume the training order: the data settings differ from the checkpoint's "
+            f"({', '.join(changed)}); resume with the run's own data settings"
+        )
+
+
 class ResumableSampler(DistributedSampler):
     """torch's DistributedSampler (a shuffle drawn from ``seed + epoch``, sharded over ``num_replicas``
     ranks) that can start an epoch after its first ``batches_done`` batches.
@@ -49,13 +60,7 @@ class ResumableSampler(DistributedSampler):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continues at a saved position; raises ValueError naming the settings that changed since."""
-        current = self.state_dict()
-        changed = [f"{key} {state[key]} -> {current[key]}" for key in _ORDER_KEYS if state[key] != current[key]]
-        if changed:
-            raise ValueError(
-                "cannot resume the training order: the data settings differ from the checkpoint's "
-                f"({', '.join(changed)}); resume with the run's own data settings"
-            )
+        check_order_settings(state, self.state_dict())
         self.epoch, self.batches_done = state["epoch"], state["batches_done"]
 
 
@@ -81,6 +86,16 @@ class ResumableDataModule(LightningDataModule):
             self._saved_order = None
         generator = torch.Generator().manual_seed(seed)
         return DataLoader(dataset, batch_size, sampler=self.train_sampler, generator=generator, **loader_kwargs)
+
+    def order_settings(self) -> dict[str, int]:
+        """The settings of the training order known before ``setup``: ``seed`` and ``batch_size``."""
+        raise NotImplementedError(f"{type(self).__name__} must give its order_settings")
+
+    def check_resume(self, saved_state: dict[str, Any], num_replicas: int) -> None:
+        """Raises ValueError, before anything runs, when the checkpoint's training order (``saved_state``:
+        this DataModule's state in it) was made with another seed, batch size or number of ranks."""
+        if "train_order" in saved_state:
+            check_order_settings(saved_state["train_order"], self.order_settings() | {"num_replicas": num_replicas})
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if self.trainer is not None and self.trainer.training and self.train_sampler is not None:

@@ -183,6 +183,9 @@ class TextDataModule(ResumableDataModule):
         """Number of token ids (learns the vocabulary first where needed)."""
         return self._fit_tokenizer().vocab_size
 
+    def order_settings(self) -> dict[str, int]:
+        return {"seed": self.seed, "batch_size": self.batch_size}
+
     @property
     def train_seq_len(self) -> int:
         """Tokens per training sequence: `block_size`."""
