@@ -14,7 +14,14 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lit_thresh import compare
 from lit_thresh import data  # noqa: F401  (makes its DataModules known to --data by name)
 from lit_thresh.callbacks import HparamsWithMetrics, NaNGuard, PeakMemory, RNGState, StepCheckpoint, TokenThroughput
-from lit_thresh.cli_errors import Parser, check_checkpoint, check_checkpoint_matches, exit_on_input_error
+from lit_thresh.cli_errors import (
+    Parser,
+    check_checkpoint,
+    check_checkpoint_matches,
+    exit_on_input_error,
+    is_file_path,
+    read_checkpoint,
+)
 from lit_thresh.diagnostics import AttentionDiagnostics
 from lit_thresh.module import LanguageModel
 from lit_thresh.resume import check_data_order, check_hyperparameters, resolve_last
@@ -50,11 +57,14 @@ class LitThreshCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         self.model.check_data_lengths(self.datamodule)  # before any run directory or config.yaml is written
-        if subcommand := self.config.get("subcommand"):
-            check_checkpoint_matches(self.config[subcommand].get("ckpt_path"), self.model)
-            check_hyperparameters(self.config[subcommand].get("ckpt_path"), self.model)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if is_file_path(ckpt_path):  # it exists: check_checkpoint
+            checkpoint = read_checkpoint(ckpt_path)  # once, memory-mapped, for the three checks
+            check_checkpoint_matches(ckpt_path, checkpoint, self.model)
+            check_hyperparameters(ckpt_path, checkpoint, self.model)
             if subcommand == "fit":
-                check_data_order(self.config[subcommand].get("ckpt_path"), self.datamodule, self.trainer.world_size)
+                check_data_order(checkpoint, self.datamodule, self.trainer.world_size)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ModelCheckpoint, "checkpoint")

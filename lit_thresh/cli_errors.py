@@ -103,8 +103,9 @@ class Parser(LightningArgumentParser):
         return super().parse_path(path, *args, **kwargs)
 
 
-def _read_checkpoint(ckpt_path: str) -> dict[str, Any]:
-    """The checkpoint's hyperparameters and state-dict shapes, read without loading its tensors."""
+def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
+    """The Lightning checkpoint at `ckpt_path`, its tensors memory-mapped rather than read; ValueError
+    naming the path when it is not one."""
     if not zipfile.is_zipfile(ckpt_path):
         raise ValueError(f"ckpt_path {ckpt_path} is not a checkpoint (a file torch.save writes)")
     try:
@@ -113,13 +114,11 @@ def _read_checkpoint(ckpt_path: str) -> dict[str, Any]:
         raise ValueError(f"ckpt_path {ckpt_path} is not a checkpoint torch.load reads: {one_line(str(err))}") from err
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError(f"ckpt_path {ckpt_path} is not a Lightning checkpoint: it has no state_dict")
-    return {
-        "hyper_parameters": checkpoint.get("hyper_parameters") or {},
-        "shapes": {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()},
-    }
+    return checkpoint
 
 
-def _is_file_path(ckpt_path: str | None) -> bool:
+def is_file_path(ckpt_path: str | None) -> bool:
+    """Whether `ckpt_path` names a local file, rather than one of Lightning's names or a remote path."""
     return bool(ckpt_path) and "://" not in ckpt_path and ckpt_path.split(":")[0] not in SPECIAL_CKPT_PATHS
 
 
@@ -127,11 +126,11 @@ def check_checkpoint(ckpt_path: str | None, model_class: type) -> None:
     """Raises FileNotFoundError unless `ckpt_path` exists, ValueError unless it is a Lightning checkpoint of
     a `model_class` (its hyperparameters are arguments of `model_class`): what can be checked before the
     model is built. Lightning's own names ("last", "best", ...) and remote paths are left to Lightning."""
-    if not _is_file_path(ckpt_path):
+    if not is_file_path(ckpt_path):
         return
     if not Path(ckpt_path).is_file():
         raise FileNotFoundError(f"ckpt_path {ckpt_path}: no such file")
-    hparams = _read_checkpoint(ckpt_path)["hyper_parameters"]
+    hparams = read_checkpoint(ckpt_path).get("hyper_parameters") or {}
     accepted = set(inspect.signature(model_class).parameters) | {"_instantiator", "_class_path"}
     unknown = sorted(set(hparams) - accepted)
     if unknown:
@@ -141,12 +140,11 @@ def check_checkpoint(ckpt_path: str | None, model_class: type) -> None:
         )
 
 
-def check_checkpoint_matches(ckpt_path: str | None, model: torch.nn.Module) -> None:
-    """Raises ValueError, naming `ckpt_path` and the first differences, unless the checkpoint's state dict
-    has exactly `model`'s keys and shapes (what loading it strictly requires)."""
-    if not _is_file_path(ckpt_path):
-        return
-    found = _read_checkpoint(ckpt_path)["shapes"]
+def check_checkpoint_matches(ckpt_path: str, checkpoint: dict[str, Any], model: torch.nn.Module) -> None:
+    """Raises ValueError, naming `ckpt_path` and the first differences, unless the state dict of
+    `checkpoint` (read_checkpoint's) has exactly `model`'s keys and shapes (what loading it strictly
+    requires)."""
+    found = {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()}
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     differences = [f"{key} missing" for key in expected if key not in found]
     differences += [f"unexpected {key}" for key in found if key not in expected]

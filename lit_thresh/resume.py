@@ -70,15 +70,13 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def check_hyperparameters(ckpt_path: str | None, model: LightningModule) -> None:
+def check_hyperparameters(ckpt_path: str, checkpoint: dict[str, Any], model: LightningModule) -> None:
     """Raises ValueError, naming every differing key with both values, unless the hyperparameters saved in
-    the checkpoint at ``ckpt_path`` equal ``model``'s (those given on the command line and in configs, and
-    the ones linked from the data). Keys only one side has (an argument added to the code, or removed,
-    since the checkpoint) are not compared. LightningCLI would instead quietly replace the given model
-    arguments with the checkpoint's; here they are never replaced."""
-    if not ckpt_path or not Path(ckpt_path).is_file():
-        return
-    saved = _read(ckpt_path).get("hyper_parameters")
+    ``checkpoint`` (read from ``ckpt_path``) equal ``model``'s (those given on the command line and in
+    configs, and the ones linked from the data). Keys only one side has (an argument added to the code, or
+    removed, since the checkpoint) are not compared. LightningCLI would instead quietly replace the given
+    model arguments with the checkpoint's; here they are never replaced."""
+    saved = checkpoint.get("hyper_parameters")
     if not saved:
         return
     saved, given = _flatten(dict(saved)), _flatten(dict(model.hparams))
@@ -93,9 +91,8 @@ def check_hyperparameters(ckpt_path: str | None, model: LightningModule) -> None
         )
 
 
-def check_data_order(ckpt_path: str | None, datamodule: object, num_replicas: int) -> None:
-    """Before a run resumes from ``ckpt_path`` (and writes anything), raises ValueError when the checkpoint's
-    training order was made with another data seed, batch size or number of ranks (ResumableDataModule)."""
-    if not isinstance(datamodule, ResumableDataModule) or not ckpt_path or not Path(ckpt_path).is_file():
-        return
-    datamodule.check_resume(_read(ckpt_path).get(type(datamodule).__qualname__, {}), num_replicas)
+def check_data_order(checkpoint: dict[str, Any], datamodule: object, num_replicas: int) -> None:
+    """Before a run resumes from ``checkpoint`` (and writes anything), raises ValueError when its training
+    order was made with another data seed, batch size or number of ranks (ResumableDataModule)."""
+    if isinstance(datamodule, ResumableDataModule):
+        datamodule.check_resume(checkpoint.get(type(datamodule).__qualname__, {}), num_replicas)
