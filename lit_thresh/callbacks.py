@@ -6,6 +6,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
@@ -49,10 +50,27 @@ class TokenThroughput(ThroughputMonitor):
     ``train/device/items_per_sec`` (tokens/s of one device; ``train/items_per_sec`` over all devices
     under DDP) and, with the model's ``flops_per_batch``, ``train/device/mfu`` on known GPUs.
     Validation time is left out of the training rates.
+
+    Lightning's callback waits for the GPU after every batch, so that each time it records is exact; that
+    stops the CPU from queueing the next step while the GPU works. Here training waits only on the steps
+    whose rates are logged: the rates span ``window_size`` batches between two such times when
+    ``window_size`` is a multiple of ``log_every_n_steps`` (the defaults, 100 and 50), and otherwise
+    one end is early by at most the work still queued at that time.
     """
 
     def __init__(self, window_size: int = 100) -> None:
         super().__init__(batch_size_fn=batch_size, length_fn=batch_tokens, window_size=window_size)
+
+    def _update(self, trainer: Trainer, pl_module: LightningModule, batch: Any, iter_num: int) -> None:
+        if trainer.state.stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs:
+            super()._update(trainer, pl_module, batch, iter_num)  # waits for the GPU
+            return
+        synchronize = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda device=None: None  # the parent's one call: skipped on this step
+        try:
+            super()._update(trainer, pl_module, batch, iter_num)
+        finally:
+            torch.cuda.synchronize = synchronize
 
 
 class PeakMemory(Callback):
@@ -107,14 +125,19 @@ class NaNGuard(Callback):
     """Stops training with a FloatingPointError naming the global step when a training loss, or (without
     a GradScaler, which skips such steps itself) a gradient, is NaN or infinite.
 
-    The check runs after the backward pass and before the optimizer step (and before gradient clipping),
-    so the weights are never updated with non-finite values, and as the error ends the run without a
-    save, the last checkpoint is the last one written before that step. One device sync per step.
+    Each step's check runs after the backward pass, before gradient clipping and the optimizer step: one
+    foreach norm of the gradients. ``deferred=False`` (the default off CUDA) reads its result at once, so
+    the error comes before that optimizer step. ``deferred=True`` (the default on CUDA) copies it to the
+    host without waiting and reads it one step later, so the GPU never idles for the check: the weights in
+    memory then take the bad step's update, but every checkpoint save and the end of training read the
+    pending check first, so no checkpoint is ever written after a non-finite step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deferred: bool | None = None) -> None:
+        self.deferred = deferred
         self._losses: list[torch.Tensor] = []  # the step's (micro-batch) losses
         self._batch_idx = 0
+        self._pending: _Check | None = None  # the last step's check, not read yet
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
@@ -123,6 +146,7 @@ class NaNGuard(Callback):
         self._losses.append(loss.detach())
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        self._read_pending()
         losses = torch.stack(self._losses).float() if self._losses else torch.zeros(0, device=pl_module.device)
         self._losses.clear()  # losses: (micro-batches,)
         grads = {p: p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
@@ -130,18 +154,67 @@ class NaNGuard(Callback):
         if scaler is not None:
             grads = {}  # inf gradients are the GradScaler's business
             losses = losses / scaler.get_scale()  # the hook saw the scaled loss
-        grad_norm = torch.nn.utils.get_total_norm(list(grads.values())) if grads else losses.new_zeros(())
-        if bool(losses.isfinite().all() & grad_norm.isfinite()):  # one foreach norm, one sync
-            return
-        loss_text = ", ".join(f"{v:.6g}" for v in losses.tolist())
+        norms = torch.stack(torch._foreach_norm(list(grads.values()))) if grads else losses.new_zeros(0)  # (P,)
         where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {self._batch_idx})"
-        if not bool(losses.isfinite().all()):
-            problem = f"non-finite training loss {loss_text} {where}"
+        check = _Check(losses, norms, list(grads), pl_module, where)
+        deferred = pl_module.device.type == "cuda" if self.deferred is None else self.deferred
+        if deferred:
+            self._pending = check.start_copy()
         else:
-            names = {p: name for name, p in pl_module.named_parameters()}
-            bad = [names.get(p, "?") for p, g in grads.items() if not bool(g.isfinite().all())]
+            check.read(deferred=False)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._read_pending()  # before anything is written
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._read_pending()
+
+    def _read_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.read(deferred=True)
+
+
+class _Check:
+    """One step's NaNGuard check: its losses (micro-batches,), the gradient norms (P,) of `params` (of
+    `module`, which names them in the error), and where it ran."""
+
+    def __init__(
+        self, losses: torch.Tensor, norms: torch.Tensor, params: list[torch.Tensor], module: torch.nn.Module, where: str
+    ) -> None:
+        self.losses, self.norms, self.params, self.module, self.where = losses, norms, params, module, where
+        self.ok = losses.isfinite().all() & norms.isfinite().all()  # 0-d bool, on the device
+        self.done: torch.cuda.Event | None = None
+
+    def start_copy(self) -> "_Check":
+        """Starts copying the result to the host, without waiting for the device."""
+        if self.ok.is_cuda:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.ok = host.copy_(self.ok, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        return self
+
+    def read(self, deferred: bool) -> None:
+        """Raises the FloatingPointError if the step was not finite (waits for the copy first)."""
+        if self.done is not None:
+            self.done.synchronize()
+        if bool(self.ok):
+            return
+        loss_text = ", ".join(f"{v:.6g}" for v in self.losses.tolist())
+        if not bool(self.losses.isfinite().all()):
+            problem = f"non-finite training loss {loss_text} {self.where}"
+        else:
+            names = {p: name for name, p in self.module.named_parameters()}
+            finite = self.norms.isfinite().tolist()
+            bad = [names.get(p, "?") for p, ok in zip(self.params, finite, strict=True) if not ok]
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            problem = f"non-finite gradients of {', '.join(bad[:3])}{more} {where} (loss {loss_text})"
+            problem = f"non-finite gradients of {', '.join(bad[:3])}{more} {self.where} (loss {loss_text})"
+        if deferred:
+            raise FloatingPointError(
+                f"{problem}: training stopped at the next check, and no checkpoint was written after this step, "
+                "so the last checkpoint is from before it"
+            )
         raise FloatingPointError(
             f"{problem}: training stopped before this optimizer step, so the weights and the last checkpoint "
             "are from before it"

@@ -11,16 +11,30 @@ from torchmetrics.text import Perplexity
 IGNORE_INDEX = -100  # labels that are not supervised
 
 
+def gather_states(state: torch.Tensor, group: object | None = None) -> list[torch.Tensor]:
+    """Every rank's copy of a metric state of the same shape on all ranks (a TokenMean's 0-d sums).
+
+    torchmetrics' default gathers states of any shape behind a barrier, which waits for the GPU under
+    NCCL; an all_gather alone queues on the GPU like any other kernel.
+    """
+    group = group or torch.distributed.group.WORLD
+    gathered = [torch.empty_like(state) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, state.contiguous(), group=group)
+    return gathered
+
+
 class TokenMean(Metric):
     """Sum of values over a count of tokens, summed over updates (and over ranks when synced).
 
     Unlike torchmetrics' MeanMetric with ``nan_strategy="disable"`` it keeps the weights, and unlike its
-    other strategies and MulticlassAccuracy(ignore_index=...), its update never waits for the GPU.
+    other strategies and MulticlassAccuracy(ignore_index=...), neither its update nor its DDP sync
+    (gather_states) waits for the GPU.
     """
 
     full_state_update = False
 
     def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("dist_sync_fn", gather_states)
         super().__init__(**kwargs)
         self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.plugins import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -135,7 +136,9 @@ class LanguageModel(L.LightningModule):
         self._step(batch, self.eval_metrics[split][dataloader_idx], prefix, prog_bar=prefix == split)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._step(batch, self.train_metrics, "train", on_step=True, on_epoch=False, prog_bar=True)
+        """Logs `train/{loss,acc}` to the loggers only: a progress-bar value is read back from the GPU on
+        every step (Lightning converts it to a Python number), which would stall the CPU's queueing."""
+        return self._step(batch, self.train_metrics, "train", on_step=True, on_epoch=False)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_step(batch, "val", dataloader_idx)
@@ -156,6 +159,21 @@ class LanguageModel(L.LightningModule):
     def on_train_start(self) -> None:
         rank_zero_info(f"{type(self.model.blocks[0].attn).__name__} model: {self.n_params:,} parameters")
         self.log("n_params", float(self.n_params), sync_dist=True)  # the same on every rank
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, also for optimizers that unscale gradients themselves (`fused=True` AdamW):
+        Lightning refuses to clip those under mixed precision because a GradScaler's gradients are still
+        scaled at this point, but bf16 has no GradScaler, so there is nothing to unscale."""
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and gradient_clip_val:
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]

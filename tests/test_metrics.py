@@ -1,6 +1,10 @@
 """lit_thresh.metrics: the per-step training metrics weigh by supervised tokens like the evaluation ones."""
 
+import socket
+
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lit_thresh.metrics import IGNORE_INDEX, TokenMean, token_metrics, update_token_metrics
@@ -26,3 +30,29 @@ def test_training_metrics_equal_the_evaluation_metrics():
     for name in ("loss", "acc"):
         torch.testing.assert_close(train[name].compute(), evaluation[name].compute().float())
     assert "ppl" not in train and evaluation["ppl"].compute() > 1
+
+
+def _sync_on_rank(rank: int, port: int, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        dist.barrier = None  # torchmetrics' default gather calls it; TokenMean's must not
+        metric = TokenMean(dist_sync_on_step=True)
+        tokens = torch.tensor(3 + rank)  # unequal token counts: rank 0 has 3 tokens of 1.0, rank 1 has 4 of 2.0
+        step_value = metric(tokens * (1.0 + rank), tokens)  # the step's value, synced over both ranks
+        results[rank] = (step_value.item(), metric.compute().item())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_token_mean_syncs_over_ranks_without_a_barrier():
+    """Under DDP the per-step value is the token-weighted mean over all ranks, gathered without
+    torchmetrics' barrier (with NCCL a barrier waits for the GPU): 2 gloo processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_sync_on_rank, args=(port, results), nprocs=2)
+    expected = (3 * 1.0 + 4 * 2.0) / 7
+    assert sorted(results.keys()) == [0, 1]
+    for step_value, total in results.values():
+        assert abs(step_value - expected) < 1e-6 and abs(total - expected) < 1e-6

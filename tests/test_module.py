@@ -315,3 +315,32 @@ def test_norm_choice(norm, cls):
     assert all(getattr(m, "bias", None) is None for m in norms)  # bias-free, as nanoGPT
     with pytest.raises(ValueError, match="norm must be one of"):
         model(norm="batchnorm")
+
+
+class GradNorms(L.Callback):
+    """Records the total gradient norm as the last optimizer step left it (after any clipping): Lightning
+    zeroes the gradients at the start of each step, so the first record (no gradients yet) is skipped."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step > 0:
+            self.norms.append(torch.nn.utils.get_total_norm([p.grad for p in pl_module.parameters()]).item())
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_fused_adamw_gradients_are_clipped(tmp_path, precision):
+    """Lightning refuses to clip for a fused AdamW under mixed precision (it unscales a GradScaler's
+    gradients itself); without a GradScaler the module clips anyway, by Lightning's own clipping."""
+    clip = 1e-3
+    fused = functools.partial(torch.optim.AdamW, fused=True)
+    norms = {}
+    for clip_val in (None, clip):
+        callback = GradNorms()
+        run = trainer(tmp_path, max_steps=3, limit_val_batches=0, precision=precision, gradient_clip_val=clip_val)
+        run.callbacks.append(callback)
+        run.fit(model(optimizer=fused), train_dataloaders=TinyData().train_dataloader())
+        norms[clip_val] = callback.norms
+    assert len(norms[clip]) == 2 and all(norm > 10 * clip for norm in norms[None])
+    assert all(norm == pytest.approx(clip, rel=1e-3) for norm in norms[clip])

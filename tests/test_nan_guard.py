@@ -1,11 +1,13 @@
 """NaNGuard in the ``lit_thresh`` command: a NaN loss or an infinite gradient stops training with an error
-naming the step, before the optimizer step, and the last checkpoint keeps the finite weights before it."""
+naming the step, before the optimizer step (or, deferred as on CUDA, at the next step or the next save),
+and the last checkpoint keeps the finite weights before it."""
 
 import math
 
 import pytest
 import torch
 
+from lit_thresh.callbacks import NaNGuard
 from lit_thresh.cli import main
 from lit_thresh.module import LanguageModel
 
@@ -20,7 +22,6 @@ trainer:
   enable_progress_bar: false
   enable_model_summary: false
   logger: {init_args: {name: nan}}
-step_checkpoint: {every_n_train_steps: 2}
 diagnostics: {enabled: false}
 model: {d_model: 16, n_layers: 1, mlp_ratio: 0}
 data:
@@ -57,18 +58,27 @@ def poison(monkeypatch, what: str) -> list[LanguageModel]:
 
 
 @pytest.mark.parametrize("what", ["loss", "gradient"])
-def test_non_finite_step_stops_before_the_update(tmp_path, monkeypatch, what):
+@pytest.mark.parametrize(
+    "deferred,every_n_steps",
+    [(False, 2), (True, 2), (True, 1)],  # deferred: read at the next step (every 2) or at the next save (every 1)
+    ids=["immediate", "deferred-next-step", "deferred-next-save"],
+)
+def test_non_finite_step_stops_without_a_later_checkpoint(tmp_path, monkeypatch, what, deferred, every_n_steps):
     models = poison(monkeypatch, what)
+    monkeypatch.setattr(NaNGuard.__init__, "__defaults__", (deferred,))  # the CLI's NaNGuard()
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.yaml").write_text(TINY)
     seed = str(int(torch.randint(10_000, ())))
     with pytest.raises(SystemExit) as error:  # the command's one-line error, no traceback
-        main(["fit", "--config", "tiny.yaml", "--seed_everything", seed])
+        main(["fit", "--config", "tiny.yaml", "--seed_everything", seed, f"--step_checkpoint.every_n_train_steps={every_n_steps}"])
 
     message = str(error.value.code)
     assert message.startswith("lit_thresh: error: non-finite") and "\n" not in message
     assert f"at global step {BAD_STEP} (epoch 0, batch {BAD_STEP})" in message
-    assert "stopped before this optimizer step" in message
+    if deferred:
+        assert "no checkpoint was written after this step" in message
+    else:
+        assert "stopped before this optimizer step" in message
     if what == "loss":
         assert "non-finite training loss nan" in message
     else:
@@ -81,5 +91,8 @@ def test_non_finite_step_stops_before_the_update(tmp_path, monkeypatch, what):
     assert checkpoint["global_step"] == BAD_STEP
     weights = checkpoint["state_dict"]
     assert all(value.isfinite().all() for value in weights.values())
+    if deferred:  # the bad step updated the weights in memory, but they were never saved
+        assert not all(value.isfinite().all() for value in models[0].state_dict().values())
+        return
     for name, value in models[0].state_dict().items():  # the bad step changed nothing: model == checkpoint
         torch.testing.assert_close(value, weights[name], rtol=0, atol=0)

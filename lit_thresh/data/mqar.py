@@ -8,7 +8,7 @@ elsewhere. With ``random_non_queries`` the fillers are drawn uniformly from the 
 """
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -210,7 +210,7 @@ class MQARDataModule(ResumableDataModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset, batch_size = self.datasets["train"], self.hparams.batch_size
-        return self.resumable_loader(dataset, batch_size, self.hparams.seed, num_workers=self.hparams.num_workers)
+        return self.resumable_loader(dataset, batch_size, self.hparams.seed, **self._loader_options())
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["val"])
@@ -246,10 +246,15 @@ class MQARDataModule(ResumableDataModule):
             labels.append(F.pad(y, (0, seq_len - s.seq_len), value=IGNORE_INDEX))
         return StackDataset(input_ids=torch.cat(input_ids), labels=torch.cat(labels))
 
+    def _loader_options(self) -> dict[str, Any]:
+        """DataLoader options of every split: pinned batches on CUDA, so that their copy to the GPU does
+        not wait for the GPU's queued work."""
+        return {"num_workers": self.hparams.num_workers, "pin_memory": torch.cuda.is_available()}
+
     def _loader(self, dataset: StackDataset, batch_size: int | None = None) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size or self.hparams.batch_size,
-            num_workers=self.hparams.num_workers,
             generator=torch.Generator().manual_seed(self.hparams.seed),  # leaves the global RNG alone
+            **self._loader_options(),
         )

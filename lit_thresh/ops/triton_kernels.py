@@ -39,6 +39,12 @@ def _store_tile(ptrs, value, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexp
 
 
 @triton.jit
+def _as_fp32(x):
+    """A float scalar argument in fp32: torch.compile passes Python floats to user kernels as fp64."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _gain(pos, gain_coef):
     """sqrt(2 ln(pos + 1) / d) for integer positions; tau = beta * gain."""
     return tl.sqrt(gain_coef * tl.log(pos.to(tl.float32) + 1.0))
@@ -123,6 +129,7 @@ def threshold_fwd_kernel(
     POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -199,6 +206,7 @@ def threshold_bwd_dkv_kernel(
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over the GROUP query heads that share
     them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV)."""
+    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -280,6 +288,7 @@ def threshold_bwd_dq_kernel(
 ):
     """One program: dQ of BLOCK_M queries of one (batch, head), and their per-row dbeta terms
     -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
