@@ -1,10 +1,11 @@
 """Callbacks shared by every ``lit_thresh`` run."""
 
+import time
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, ThroughputMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
@@ -51,26 +52,54 @@ class TokenThroughput(ThroughputMonitor):
     under DDP) and, with the model's ``flops_per_batch``, ``train/device/mfu`` on known GPUs.
     Validation time is left out of the training rates.
 
-    Lightning's callback waits for the GPU after every batch, so that each time it records is exact; that
-    stops the CPU from queueing the next step while the GPU works. Here training waits only on the steps
-    whose rates are logged: the rates span ``window_size`` batches between two such times when
-    ``window_size`` is a multiple of ``log_every_n_steps`` (the defaults, 100 and 50), and otherwise
-    one end is early by at most the work still queued at that time.
+    Lightning's callback waits for the GPU after every batch, so that the time it records for each is
+    exact; that stops the CPU from queueing the next step while the GPU works. Here training batches wait
+    only on the steps whose rates are logged. A rate spans the last ``window_size`` batches: its end is
+    exact and its start is early by at most the GPU work still queued then (about a step, against the
+    ``window_size - 1`` steps it spans).
     """
 
     def __init__(self, window_size: int = 100) -> None:
         super().__init__(batch_size_fn=batch_size, length_fn=batch_tokens, window_size=window_size)
 
+    @torch.inference_mode()
     def _update(self, trainer: Trainer, pl_module: LightningModule, batch: Any, iter_num: int) -> None:
-        if trainer.state.stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs:
-            super()._update(trainer, pl_module, batch, iter_num)  # waits for the GPU
-            return
-        synchronize = torch.cuda.synchronize
-        torch.cuda.synchronize = lambda device=None: None  # the parent's one call: skipped on this step
-        try:
-            super()._update(trainer, pl_module, batch, iter_num)
-        finally:
-            torch.cuda.synchronize = synchronize
+        """ThroughputMonitor._update, with its synchronisation on logged and evaluation batches only."""
+        stage = trainer.state.stage
+        logged = stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs
+        if logged and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._t0s[stage]
+        self._lengths[stage] += batch_tokens(batch)
+        self._samples[stage] += batch_size(batch)
+        self._batches[stage] += 1
+        self._throughputs[stage].update(
+            time=elapsed,
+            batches=self._batches[stage],
+            samples=self._samples[stage],
+            lengths=self._lengths[stage],
+            flops=getattr(pl_module, "flops_per_batch", None),
+        )
+
+
+class TrainLossProgressBar(RichProgressBar):
+    """Lightning's RichProgressBar, plus the training loss of the last step written to the loggers (every
+    ``log_every_n_steps``), read back from the GPU then only: a ``prog_bar=True`` value would be read
+    back every step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._train_loss: dict[str, float] = {}
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer._logger_connector.should_update_logs and isinstance(outputs, dict) and "loss" in outputs:
+            self._train_loss = {"train/loss": outputs["loss"].item()}  # this rank's
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+        return super().get_metrics(trainer, pl_module) | self._train_loss
 
 
 class PeakMemory(Callback):
@@ -126,18 +155,31 @@ class NaNGuard(Callback):
     a GradScaler, which skips such steps itself) a gradient, is NaN or infinite.
 
     Each step's check runs after the backward pass, before gradient clipping and the optimizer step: one
-    foreach norm of the gradients. ``deferred=False`` (the default off CUDA) reads its result at once, so
-    the error comes before that optimizer step. ``deferred=True`` (the default on CUDA) copies it to the
-    host without waiting and reads it one step later, so the GPU never idles for the check: the weights in
-    memory then take the bad step's update, but every checkpoint save and the end of training read the
-    pending check first, so no checkpoint is ever written after a non-finite step.
+    foreach norm of the gradients (under DDP, and one all-reduce so that every rank stops). ``deferred``:
+    False reads its result at once, so the error comes before that optimizer step; True copies it to the
+    host without waiting and reads it one step later, so the CPU does not wait for the GPU: the bad step's
+    update then reaches the weights in memory (and a validation right after it may log NaN), but every
+    checkpoint save and the end of training read the pending check first, so no checkpoint is written
+    after a non-finite step. None (default): deferred on CUDA, unless a checkpoint callback saves weights
+    only (Lightning then skips callbacks' ``on_save_checkpoint``, which reads the pending check).
     """
 
     def __init__(self, deferred: bool | None = None) -> None:
         self.deferred = deferred
+        self._deferred = False  # the choice for this run, see setup
         self._losses: list[torch.Tensor] = []  # the step's (micro-batch) losses
         self._batch_idx = 0
         self._pending: _Check | None = None  # the last step's check, not read yet
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        weights_only = any(callback.save_weights_only for callback in trainer.checkpoint_callbacks)
+        if self.deferred and weights_only:
+            raise ValueError(
+                "NaNGuard(deferred=True) cannot guard checkpoints saved with save_weights_only=True: Lightning "
+                "skips callbacks' on_save_checkpoint for them; use deferred=False or None"
+            )
+        auto = trainer.strategy.root_device.type == "cuda" and not weights_only
+        self._deferred = auto if self.deferred is None else self.deferred
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
@@ -148,17 +190,14 @@ class NaNGuard(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         self._read_pending()
         losses = torch.stack(self._losses).float() if self._losses else torch.zeros(0, device=pl_module.device)
-        self._losses.clear()  # losses: (micro-batches,)
+        self._losses.clear()  # losses: (micro-batches,), scaled by the GradScaler if there is one
         grads = {p: p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None:
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
             grads = {}  # inf gradients are the GradScaler's business
-            losses = losses / scaler.get_scale()  # the hook saw the scaled loss
         norms = torch.stack(torch._foreach_norm(list(grads.values()))) if grads else losses.new_zeros(0)  # (P,)
         where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {self._batch_idx})"
         check = _Check(losses, norms, list(grads), pl_module, where)
-        deferred = pl_module.device.type == "cuda" if self.deferred is None else self.deferred
-        if deferred:
+        if self._deferred:
             self._pending = check.start_copy()
         else:
             check.read(deferred=False)
@@ -183,13 +222,16 @@ class _Check:
         self, losses: torch.Tensor, norms: torch.Tensor, params: list[torch.Tensor], module: torch.nn.Module, where: str
     ) -> None:
         self.losses, self.norms, self.params, self.module, self.where = losses, norms, params, module, where
-        self.ok = losses.isfinite().all() & norms.isfinite().all()  # 0-d bool, on the device
+        ok = (losses.isfinite().all() & norms.isfinite().all()).int()  # 0-d, on the device
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)  # one rank's bad loss stops all
+        self.ok = ok
         self.done: torch.cuda.Event | None = None
 
     def start_copy(self) -> "_Check":
         """Starts copying the result to the host, without waiting for the device."""
         if self.ok.is_cuda:
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host = torch.empty((), dtype=self.ok.dtype, pin_memory=True)
             self.ok = host.copy_(self.ok, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
@@ -204,6 +246,8 @@ class _Check:
         loss_text = ", ".join(f"{v:.6g}" for v in self.losses.tolist())
         if not bool(self.losses.isfinite().all()):
             problem = f"non-finite training loss {loss_text} {self.where}"
+        elif bool(self.norms.isfinite().all()):
+            problem = f"non-finite training loss on another rank {self.where}"
         else:
             names = {p: name for name, p in self.module.named_parameters()}
             finite = self.norms.isfinite().tolist()

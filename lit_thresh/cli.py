@@ -8,12 +8,20 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lit_thresh import compare
 from lit_thresh import data  # noqa: F401  (makes its DataModules known to --data by name)
-from lit_thresh.callbacks import HparamsWithMetrics, NaNGuard, PeakMemory, RNGState, StepCheckpoint, TokenThroughput
+from lit_thresh.callbacks import (
+    HparamsWithMetrics,
+    NaNGuard,
+    PeakMemory,
+    RNGState,
+    StepCheckpoint,
+    TokenThroughput,
+    TrainLossProgressBar,
+)
 from lit_thresh.cli_errors import (
     Parser,
     check_checkpoint,
@@ -30,7 +38,7 @@ from lit_thresh.resume import check_data_order, check_hyperparameters, resolve_l
 class LitThreshCLI(LightningCLI):
     """LightningCLI with a ``checkpoint`` group (ModelCheckpoint, the best), a ``step_checkpoint`` group
     (StepCheckpoint, last.ckpt every N steps, validation and epoch), a ``diagnostics`` group
-    (AttentionDiagnostics), a RichProgressBar, and the data's vocabulary size and longest sequence fed to
+    (AttentionDiagnostics), a RichProgressBar (TrainLossProgressBar), and the data's vocabulary size and longest sequence fed to
     the model.
 
     The checkpoint and progress bar step aside under ``--trainer.enable_checkpointing false`` /
@@ -84,7 +92,7 @@ class LitThreshCLI(LightningCLI):
             callbacks.append(self._get(self.config_init, "checkpoint"))
             callbacks.append(self._get(self.config_init, "step_checkpoint"))
         if config["enable_progress_bar"] is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            callbacks.append(RichProgressBar())
+            callbacks.append(TrainLossProgressBar())
         callbacks.append(self._get(self.config_init, "diagnostics"))
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.plugins import MixedPrecision, Precision
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 from torch import nn
 
 from lit_thresh.attention import AttentionFactory, SoftmaxAttention
@@ -171,7 +171,8 @@ class LanguageModel(L.LightningModule):
         scaled at this point, but bf16 has no GradScaler, so there is nothing to unscale."""
         plugin = self.trainer.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is None and gradient_clip_val:
-            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+            algorithm = GradClipAlgorithmType((gradient_clip_algorithm or "norm").lower())  # ValueError if unknown
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
         else:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -2,11 +2,14 @@
 
 from types import SimpleNamespace
 
+import lightning as L
+import pytest
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
-from lit_thresh.callbacks import TokenThroughput
+from lit_thresh.callbacks import TokenThroughput, TrainLossProgressBar
+from tests.test_module import TinyData, model
 
 
 def test_token_throughput_waits_for_the_gpu_only_on_logged_training_steps(monkeypatch):
@@ -14,14 +17,13 @@ def test_token_throughput_waits_for_the_gpu_only_on_logged_training_steps(monkey
     whose rates are logged (and on every evaluation batch), and still counts every batch and token."""
     waits = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
-    counting = torch.cuda.synchronize
     logs = SimpleNamespace(should_update_logs=False)
     state = SimpleNamespace(stage=RunningStage.TRAINING, fn=TrainerFn.FITTING)
     trainer = SimpleNamespace(state=state, strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), _logger_connector=logs)
     module = SimpleNamespace(flops_per_batch=None)
-    callback = TokenThroughput()
+    callback = TokenThroughput(window_size=3)
     for stage in (RunningStage.TRAINING, RunningStage.VALIDATING):
-        callback._throughputs[stage] = Throughput(world_size=1)
+        callback._throughputs[stage] = Throughput(world_size=1, window_size=3)
     callback._start(trainer)
     batch = {"input_ids": torch.randint(100, (4, 7))}  # (B, T)
 
@@ -31,10 +33,31 @@ def test_token_throughput_waits_for_the_gpu_only_on_logged_training_steps(monkey
     logs.should_update_logs = True
     callback._update(trainer, module, batch, 4)
     assert len(waits) == 1
+    rates = callback._throughputs[RunningStage.TRAINING].compute()
+    assert rates["device/batches_per_sec"] > 0 and rates["device/items_per_sec"] == pytest.approx(4 * 7 * rates["device/batches_per_sec"])
     logs.should_update_logs = False
     state.stage = RunningStage.VALIDATING
     callback._start(trainer)
     callback._update(trainer, module, batch, 1)
     assert len(waits) == 2  # evaluation batches: Lightning's behaviour
     assert callback._batches[RunningStage.TRAINING] == 4 and callback._lengths[RunningStage.TRAINING] == 4 * 4 * 7
-    assert torch.cuda.synchronize is counting  # put back after each skipped wait
+
+
+def test_progress_bar_shows_the_logged_training_loss(tmp_path):
+    """train/loss is not a prog_bar value (read back every step); the bar shows the loss of the steps
+    written to the loggers instead, and nothing before the first of them."""
+    bar = TrainLossProgressBar()
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((trainer.global_step, bar.get_metrics(trainer, pl_module).get("train/loss")))
+
+    trainer = L.Trainer(
+        max_steps=4, log_every_n_steps=2, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[bar, Record()],
+    )
+    trainer.fit(model(), train_dataloaders=TinyData().train_dataloader())
+    assert [step for step, _ in seen] == [1, 2, 3, 4]
+    assert seen[0][1] is None and seen[1][1] is not None and seen[2][1] == seen[1][1] and seen[3][1] != seen[1][1]
+    assert all(isinstance(loss, float) and loss > 0 for _, loss in seen[1:])

@@ -50,9 +50,11 @@ def test_token_mean_syncs_over_ranks_without_a_barrier():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_sync_on_rank, args=(port, results), nprocs=2)
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(_sync_on_rank, args=(port, shared), nprocs=2)
+        results = dict(shared)
     expected = (3 * 1.0 + 4 * 2.0) / 7
-    assert sorted(results.keys()) == [0, 1]
+    assert sorted(results) == [0, 1]
     for step_value, total in results.values():
         assert abs(step_value - expected) < 1e-6 and abs(total - expected) < 1e-6

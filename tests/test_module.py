@@ -332,7 +332,8 @@ class GradNorms(L.Callback):
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_fused_adamw_gradients_are_clipped(tmp_path, precision):
     """Lightning refuses to clip for a fused AdamW under mixed precision (it unscales a GradScaler's
-    gradients itself); without a GradScaler the module clips anyway, by Lightning's own clipping."""
+    gradients itself); without a GradScaler the module clips anyway, by Lightning's own clipping.
+    (32-true: Lightning clips it itself; the case guards that path.)"""
     clip = 1e-3
     fused = functools.partial(torch.optim.AdamW, fused=True)
     norms = {}

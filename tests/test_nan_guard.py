@@ -35,8 +35,8 @@ data:
 """
 
 
-def poison(monkeypatch, what: str) -> list[LanguageModel]:
-    """Makes the loss (NaN) or the first parameter's gradient (inf) of training step BAD_STEP non-finite;
+def poison(monkeypatch, what: str, bad_step: int = BAD_STEP) -> list[LanguageModel]:
+    """Makes the loss (NaN) or the first parameter's gradient (inf) of training step bad_step non-finite;
     returns a list that will hold the model."""
     models = []
     forward, on_after_backward = LanguageModel.forward, LanguageModel.on_after_backward
@@ -44,12 +44,12 @@ def poison(monkeypatch, what: str) -> list[LanguageModel]:
     def bad_forward(self: LanguageModel, idx: torch.Tensor) -> torch.Tensor:
         models[:] = [self]
         logits = forward(self, idx)  # (B, T, V)
-        bad = what == "loss" and self.training and self.trainer.global_step == BAD_STEP
+        bad = what == "loss" and self.training and self.trainer.global_step == bad_step
         return logits * math.nan if bad else logits
 
     def bad_gradient(self: LanguageModel) -> None:
         on_after_backward(self)
-        if what == "gradient" and self.trainer.global_step == BAD_STEP:
+        if what == "gradient" and self.trainer.global_step == bad_step:
             next(self.parameters()).grad.view(-1)[int(torch.randint(8, ()))] = math.inf
 
     monkeypatch.setattr(LanguageModel, "forward", bad_forward)
@@ -59,18 +59,27 @@ def poison(monkeypatch, what: str) -> list[LanguageModel]:
 
 @pytest.mark.parametrize("what", ["loss", "gradient"])
 @pytest.mark.parametrize(
-    "deferred,every_n_steps",
-    [(False, 2), (True, 2), (True, 1)],  # deferred: read at the next step (every 2) or at the next save (every 1)
-    ids=["immediate", "deferred-next-step", "deferred-next-save"],
+    "deferred,every_n_steps,accelerator",
+    [
+        (False, 2, "cpu"),
+        (True, 2, "cpu"),  # read at the next step
+        (True, 1, "cpu"),  # read at the save right after the bad step
+        pytest.param(None, 2, "gpu", marks=pytest.mark.gpu),  # the default on CUDA: deferred, via pinned memory
+    ],
+    ids=["immediate", "deferred-next-step", "deferred-next-save", "cuda-default"],
 )
-def test_non_finite_step_stops_without_a_later_checkpoint(tmp_path, monkeypatch, what, deferred, every_n_steps):
+def test_non_finite_step_stops_without_a_later_checkpoint(
+    tmp_path, monkeypatch, what, deferred, every_n_steps, accelerator
+):
     models = poison(monkeypatch, what)
     monkeypatch.setattr(NaNGuard.__init__, "__defaults__", (deferred,))  # the CLI's NaNGuard()
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.yaml").write_text(TINY)
     seed = str(int(torch.randint(10_000, ())))
+    options = [f"--step_checkpoint.every_n_train_steps={every_n_steps}", f"--trainer.accelerator={accelerator}"]
     with pytest.raises(SystemExit) as error:  # the command's one-line error, no traceback
-        main(["fit", "--config", "tiny.yaml", "--seed_everything", seed, f"--step_checkpoint.every_n_train_steps={every_n_steps}"])
+        main(["fit", "--config", "tiny.yaml", "--seed_everything", seed, *options])
+    deferred = accelerator == "gpu" if deferred is None else deferred
 
     message = str(error.value.code)
     assert message.startswith("lit_thresh: error: non-finite") and "\n" not in message
@@ -96,3 +105,25 @@ def test_non_finite_step_stops_without_a_later_checkpoint(tmp_path, monkeypatch,
         return
     for name, value in models[0].state_dict().items():  # the bad step changed nothing: model == checkpoint
         torch.testing.assert_close(value, weights[name], rtol=0, atol=0)
+
+
+def test_a_bad_last_step_is_reported_at_the_end_of_training(tmp_path, monkeypatch):
+    """Deferred, without checkpoints: the check of the last step is read when training ends."""
+    poison(monkeypatch, "loss", bad_step=7)  # the last of the 8 steps
+    monkeypatch.setattr(NaNGuard.__init__, "__defaults__", (True,))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    with pytest.raises(SystemExit) as error:
+        main(["fit", "--config", "tiny.yaml", "--trainer.enable_checkpointing=false"])
+    assert "non-finite training loss nan at global step 7 (epoch 0, batch 7)" in str(error.value.code)
+
+
+def test_deferred_check_refuses_weights_only_checkpoints(tmp_path, monkeypatch):
+    """Lightning skips callbacks' on_save_checkpoint for weights-only checkpoints, so a deferred check
+    could not stop such a save: deferred=True is refused with them (the default then reads at once)."""
+    monkeypatch.setattr(NaNGuard.__init__, "__defaults__", (True,))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    with pytest.raises(SystemExit) as error:
+        main(["fit", "--config", "tiny.yaml", "--checkpoint.save_weights_only=true"])
+    assert "save_weights_only" in str(error.value.code) and "deferred" in str(error.value.code)

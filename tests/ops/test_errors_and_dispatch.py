@@ -109,7 +109,8 @@ def test_dispatch_cuda():
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile every
-    kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed)."""
+    kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed). The bf16
+    case types the float scalars fp64, as torch.compile passes Python floats to user kernels."""
     script = textwrap.dedent(
         """
         import itertools, triton
@@ -118,8 +119,8 @@ def test_kernels_compile_for_hopper(tmp_path):
         from lit_thresh.ops import triton_kernels as tk
 
         pointers = {"threshold_fwd_kernel": 5, "threshold_bwd_dkv_kernel": 7, "threshold_bwd_dq_kernel": 7}
-        for (name, n_ptr), (dtype, d, power_mode) in itertools.product(
-            pointers.items(), [("fp16", 48, 0), ("bf16", 64, 2), ("fp32", 128, 1)]
+        for (name, n_ptr), (dtype, d, power_mode, float_type) in itertools.product(
+            pointers.items(), [("fp16", 48, 0, "fp32"), ("bf16", 64, 2, "fp64"), ("fp32", 128, 1, "fp32")]
         ):
             kernel = getattr(tk, name)
             consts = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
@@ -134,7 +135,7 @@ def test_kernels_compile_for_hopper(tmp_path):
                 elif i < n_ptr:
                     sig[arg] = "*fp32" if arg in ("BETA", "DBETA_ROWS") else f"*{dtype}"
                 elif arg in ("scale", "power", "gain_coef"):
-                    sig[arg] = "fp32"
+                    sig[arg] = float_type
                 else:
                     sig[arg] = "i32"
             triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
