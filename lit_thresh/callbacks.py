@@ -98,7 +98,7 @@ class TrainLossProgressBar(RichProgressBar):
             self._train_loss = {"train/loss": outputs["loss"].item()}  # this rank's
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
-    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         return super().get_metrics(trainer, pl_module) | self._train_loss
 
 

@@ -38,8 +38,8 @@ from lit_thresh.resume import check_data_order, check_hyperparameters, resolve_l
 class LitThreshCLI(LightningCLI):
     """LightningCLI with a ``checkpoint`` group (ModelCheckpoint, the best), a ``step_checkpoint`` group
     (StepCheckpoint, last.ckpt every N steps, validation and epoch), a ``diagnostics`` group
-    (AttentionDiagnostics), a RichProgressBar (TrainLossProgressBar), and the data's vocabulary size and longest sequence fed to
-    the model.
+    (AttentionDiagnostics), a RichProgressBar (TrainLossProgressBar), and the data's vocabulary size and
+    longest sequence fed to the model.
 
     The checkpoint and progress bar step aside under ``--trainer.enable_checkpointing false`` /
     ``--trainer.enable_progress_bar false``, or when ``trainer.callbacks`` holds another progress bar.

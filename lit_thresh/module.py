@@ -136,8 +136,9 @@ class LanguageModel(L.LightningModule):
         self._step(batch, self.eval_metrics[split][dataloader_idx], prefix, prog_bar=prefix == split)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Logs `train/{loss,acc}` to the loggers only: a progress-bar value is read back from the GPU on
-        every step (Lightning converts it to a Python number), which would stall the CPU's queueing."""
+        """Logs `train/{loss,acc}` to the loggers, not as progress-bar values: Lightning reads those back
+        from the GPU every step, which would stall the CPU's queueing (the CLI's TrainLossProgressBar
+        shows the loss of the logged steps instead)."""
         return self._step(batch, self.train_metrics, "train", on_step=True, on_epoch=False)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:

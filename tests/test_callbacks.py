@@ -19,7 +19,8 @@ def test_token_throughput_waits_for_the_gpu_only_on_logged_training_steps(monkey
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
     logs = SimpleNamespace(should_update_logs=False)
     state = SimpleNamespace(stage=RunningStage.TRAINING, fn=TrainerFn.FITTING)
-    trainer = SimpleNamespace(state=state, strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), _logger_connector=logs)
+    cuda = SimpleNamespace(root_device=torch.device("cuda", 0))
+    trainer = SimpleNamespace(state=state, strategy=cuda, _logger_connector=logs)
     module = SimpleNamespace(flops_per_batch=None)
     callback = TokenThroughput(window_size=3)
     for stage in (RunningStage.TRAINING, RunningStage.VALIDATING):
