@@ -70,8 +70,8 @@ class TokenThroughput(ThroughputMonitor):
         if logged and trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._t0s[stage]
-        self._lengths[stage] += batch_tokens(batch)
-        self._samples[stage] += batch_size(batch)
+        self._lengths[stage] += self.length_fn(batch)
+        self._samples[stage] += self.batch_size_fn(batch)
         self._batches[stage] += 1
         self._throughputs[stage].update(
             time=elapsed,
