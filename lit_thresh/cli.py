@@ -3,6 +3,7 @@
 ``lit_thresh fit --config configs/quickstart.yaml``; ``lit_thresh --help`` lists the subcommands.
 """
 
+import os
 import sys
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_thresh import compare
 from lit_thresh import data  # noqa: F401  (makes its DataModules known to --data by name)
@@ -94,7 +96,19 @@ class LitThreshCLI(LightningCLI):
         if config["enable_progress_bar"] is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(TrainLossProgressBar())
         callbacks.append(self._get(self.config_init, "diagnostics"))
-        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+        trainer = super().instantiate_trainer(callbacks=callbacks, **kwargs)
+        one_thread_per_process(trainer)
+        return trainer
+
+
+def one_thread_per_process(trainer: Trainer) -> None:
+    """With several processes on this machine and OMP_NUM_THREADS unset, each process's CPU ops run on
+    one thread, as torchrun's default (Lightning's own launcher leaves the default of every core).
+    Otherwise each rank's small CPU ops (building a batch) spread over all cores at once and the ranks'
+    threads fight over them: on 2 H200s one MQAR step in four took 40-70 ms instead of 27."""
+    if trainer.num_devices > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+        rank_zero_info("lit_thresh: 1 CPU thread per process (OMP_NUM_THREADS unset, several devices)")
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LitThreshCLI:

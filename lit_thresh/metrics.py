@@ -51,13 +51,13 @@ class TokenMean(Metric):
 def token_metrics(vocab_size: int, training: bool = False) -> nn.ModuleDict:
     """Loss (mean over supervised tokens) and token accuracy, plus perplexity unless training.
 
-    training=True, for the values logged every step: TokenMean for both, synced over DDP ranks on every
-    step (``dist_sync_on_step``; nothing to sync on one device) and free of host-device syncs, so the
-    CPU can queue the step's backward while the forward runs. Validation and test use torchmetrics'
-    own MeanMetric, MulticlassAccuracy and Perplexity, synced at the end of the epoch.
+    training=True: TokenMean for both, free of host-device syncs, so the CPU can queue the next step while
+    the GPU runs this one; the module computes them (synced over DDP ranks by gather_states) and resets
+    them whenever the loggers write. Validation and test use torchmetrics' own MeanMetric,
+    MulticlassAccuracy and Perplexity, synced at the end of the epoch.
     """
     if training:
-        return nn.ModuleDict({name: TokenMean(dist_sync_on_step=True) for name in ("loss", "acc")})
+        return nn.ModuleDict({name: TokenMean() for name in ("loss", "acc")})
     return nn.ModuleDict(
         {
             "loss": MeanMetric(),
@@ -71,14 +71,14 @@ def update_token_metrics(
     metrics: nn.ModuleDict, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
 ) -> None:
     """Feeds one batch to token_metrics: loss (0-d mean over supervised tokens), logits (B, T, V),
-    labels (B, T) with IGNORE_INDEX where unsupervised."""
+    labels (B, T) with IGNORE_INDEX where unsupervised. Updates only: no per-batch value is computed."""
     supervised = labels != IGNORE_INDEX  # (B, T)
     tokens = supervised.sum()
     if isinstance(metrics["loss"], TokenMean):
         correct = (logits.argmax(dim=-1) == labels) & supervised  # (B, T)
-        metrics["loss"](loss * tokens, tokens)
-        metrics["acc"](correct.sum(), tokens)
+        metrics["loss"].update(loss * tokens, tokens)
+        metrics["acc"].update(correct.sum(), tokens)
         return
-    metrics["loss"](loss, tokens)  # weighted by the supervised tokens
-    metrics["acc"](logits.argmax(dim=-1), labels)
-    metrics["ppl"](logits.float(), labels)
+    metrics["loss"].update(loss, tokens)  # weighted by the supervised tokens
+    metrics["acc"].update(logits.argmax(dim=-1), labels)
+    metrics["ppl"].update(logits.float(), labels)

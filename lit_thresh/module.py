@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal, get_args
 
 import lightning as L
 import torch
@@ -18,13 +19,17 @@ from lit_thresh.metrics import IGNORE_INDEX, token_metrics, update_token_metrics
 from lit_thresh.model import Norm, Positional, Transformer
 from lit_thresh.schedule import WarmupCosine
 
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]  # torch.compile's
+
+
 class LanguageModel(L.LightningModule):
     """A Transformer (lit_thresh.model) trained with cross-entropy on batch["labels"] (-100 = ignored).
 
-    Model arguments: see Transformer. compile: torch.compile the model (see configure_model). optimizer: called with two parameter groups, the >= 2-D
-    weights (decayed) and the rest (weight_decay 0); lr_scheduler: called with the optimizer,
-    stepped every step (None = constant lr). Logs `train/{loss,acc}` per step and
-    `val/{loss,acc,ppl}` (`val/<name>/...` for the DataModule's other `val_set_names`), same for test.
+    Model arguments: see Transformer. compile: torch.compile the model (see configure_model); True or a
+    torch.compile mode, e.g. "reduce-overhead" (CUDA graphs). optimizer: called with two parameter
+    groups, the >= 2-D weights (decayed) and the rest (weight_decay 0); lr_scheduler: called with the
+    optimizer, stepped every step (None = constant lr). Logs `train/{loss,acc}` every
+    `log_every_n_steps` (see training_step) and `val/{loss,acc,ppl}` (`val/<name>/...` for the DataModule's other `val_set_names`), same for test.
     """
 
     def __init__(
@@ -41,11 +46,13 @@ class LanguageModel(L.LightningModule):
         dropout: float = 0.0,
         key_conv: int = 0,
         norm: Norm = "rmsnorm",
-        compile: bool = False,
+        compile: bool | CompileMode = False,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
     ) -> None:
         super().__init__()
+        if not isinstance(compile, bool) and compile not in get_args(CompileMode):
+            raise ValueError(f"compile must be true, false or one of {get_args(CompileMode)}, got {compile!r}")
         self.save_hyperparameters()
         self.model = Transformer(
             vocab_size=vocab_size,
@@ -91,22 +98,25 @@ class LanguageModel(L.LightningModule):
 
     def configure_model(self) -> None:
         """With `compile`, torch.compile the Transformer in place (same parameter names, so checkpoints
-        load either way): fused kernels and far fewer launches, on GPU mostly; compiles on first use."""
+        load either way): fused kernels and far fewer launches, on GPU mostly; compiles on first use.
+        "reduce-overhead" also replays the forward and backward passes as CUDA graphs: one launch each,
+        for small models whose steps the CPU's kernel launches would otherwise pace."""
         if self.hparams.compile:
-            self.model.compile()
+            self.model.compile(mode=None if self.hparams.compile is True else self.hparams.compile)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> next-token logits (B, T, V)."""
         return self.model(idx)
 
-    def _step(self, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict, prefix: str, **log_kwargs) -> torch.Tensor:
+    def _step(self, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> torch.Tensor:
+        """The batch's loss; feeds the batch to `metrics`."""
         labels = batch["labels"]  # (B, T)
         self.last_batch_shape = tuple(labels.shape)
+        if self.hparams.compile in ("reduce-overhead", "max-autotune"):  # the modes that use CUDA graphs
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs are done with
         logits = self(batch["input_ids"])  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         update_token_metrics(metrics, loss, logits, labels)
-        for name, metric in metrics.items():
-            self.log(f"{prefix}/{name}", metric, add_dataloader_idx=False, **log_kwargs)
         return loss
 
     @functools.cached_property
@@ -133,13 +143,23 @@ class LanguageModel(L.LightningModule):
                 f"dataloaders must expose `{split}_set_names`, one name per dataloader"
             )
         prefix = prefixes[dataloader_idx]
-        self._step(batch, self.eval_metrics[split][dataloader_idx], prefix, prog_bar=prefix == split)
+        metrics = self.eval_metrics[split][dataloader_idx]
+        self._step(batch, metrics)
+        for name, metric in metrics.items():  # computed and synced by Lightning at the end of the epoch
+            self.log(f"{prefix}/{name}", metric, add_dataloader_idx=False, prog_bar=prefix == split)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Logs `train/{loss,acc}` to the loggers, not as progress-bar values: Lightning reads those back
-        from the GPU every step, which would stall the CPU's queueing (the CLI's TrainLossProgressBar
-        shows the loss of the logged steps instead)."""
-        return self._step(batch, self.train_metrics, "train", on_step=True, on_epoch=False)
+        """Logs `train/{loss,acc}` on the steps the loggers write (every `log_every_n_steps`, and the last
+        batch of an epoch): the token-weighted means over all batches (and ranks) since the last write.
+        Nothing is logged on the other steps: each `self.log` costs CPU time that the next step's queueing
+        of GPU work needs (the CLI's TrainLossProgressBar shows the loss of the logged steps)."""
+        loss = self._step(batch, self.train_metrics)
+        trainer = self.trainer
+        if trainer._logger_connector.should_update_logs or trainer.is_last_batch:  # Lightning's test for writing
+            for name, metric in self.train_metrics.items():
+                self.log(f"train/{name}", metric.compute(), on_step=True, on_epoch=False)
+                metric.reset()
+        return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_step(batch, "val", dataloader_idx)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
@@ -126,3 +127,22 @@ def test_defaults(capsys):
     assert config["trainer"]["logger"]["init_args"]["default_hp_metric"] is False
     assert config["checkpoint"]["save_last"] is None  # step_checkpoint owns last.ckpt
     assert config["step_checkpoint"]["every_n_train_steps"] == 500
+
+
+@pytest.mark.parametrize("devices,env,threads", [(2, None, 1), (2, "3", None), (1, None, None)])
+def test_one_cpu_thread_per_process_under_several_devices(monkeypatch, devices, env, threads):
+    """As torchrun: several devices and OMP_NUM_THREADS unset -> 1 CPU thread per process; otherwise the
+    thread count is left alone (None)."""
+    from lit_thresh.cli import build_cli
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        args = ["--data", "lit_thresh.data.MQARDataModule", "--trainer.accelerator", "cpu"]
+        build_cli([*args, "--trainer.devices", str(devices), "--trainer.strategy", "ddp"], run=False)
+        assert torch.get_num_threads() == (threads or 2)
+    finally:
+        torch.set_num_threads(before)

@@ -5,6 +5,7 @@ Threshold variants train in float64 ("64-true"): threshold attention then takes 
 
 from __future__ import annotations
 
+import csv
 import functools
 import math
 
@@ -87,9 +88,32 @@ def test_training_decreases_the_loss(tmp_path, attention, precision):
     assert loss_on(module, batches()) < 0.8 * before
 
 
+def test_training_metrics_are_token_means_since_the_last_write(tmp_path):
+    """train/loss is logged on the steps the logger writes (every log_every_n_steps) and on the epoch's
+    last batch (for callbacks that read it at the end of the epoch), as the token-weighted mean loss of
+    all batches since the previous one; lr 0 keeps the weights, so the losses can be recomputed."""
+    data = batches(n=20)
+    for i, sample in enumerate(data):  # unequal numbers of supervised tokens per batch
+        sample["labels"][2 : 2 + i % 5] = -100
+    module = model(optimizer=functools.partial(torch.optim.SGD, lr=0.0), lr_scheduler=None)
+    logger = L.pytorch.loggers.CSVLogger(tmp_path, name="csv")
+    fit = trainer(tmp_path, max_epochs=1, log_every_n_steps=3, logger=logger)
+    fit.fit(module, DataLoader(data, batch_size=2))
+
+    rows = [row for row in csv.DictReader(open(logger.log_dir + "/metrics.csv")) if row.get("train/loss")]
+    assert [int(row["step"]) for row in rows] == [2, 5, 8]  # batches 0-2, 3-5, 6-8
+    logged = [float(row["train/loss"]) for row in rows] + [fit.callback_metrics["train/loss"].item()]  # + batch 9
+    for value, first, last in zip(logged, (0, 3, 6, 9), (2, 5, 8, 9), strict=True):
+        window = torch.utils.data.default_collate(data[2 * first : 2 * last + 2])
+        with torch.no_grad():
+            logits = module(window["input_ids"])  # (B, T, V)
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), window["labels"].flatten())
+        assert abs(value - expected.item()) < 1e-5
+
+
 def test_metric_names_per_split_and_set(tmp_path):
     module, data = model(), TinyData()
-    fit = trainer(tmp_path, max_steps=2)
+    fit = trainer(tmp_path, max_steps=2, log_every_n_steps=1)
     fit.fit(module, data)
     sets = ["val", "val/shifted"]
     expected = {"train/loss", "train/acc", "n_params"} | {f"{s}/{m}" for s in sets for m in ("loss", "acc", "ppl")}
@@ -305,6 +329,17 @@ def test_compile_keeps_outputs_and_checkpoint_keys(tmp_path):
     data = batches(seed=3)
     assert abs(loss_on(compiled.eval(), data) - loss_on(eager.eval(), data)) < 1e-5
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compile,mode", [(True, None), ("reduce-overhead", "reduce-overhead")])
+def test_compile_mode_goes_to_torch_compile(monkeypatch, compile, mode):
+    module = model(compile=compile)
+    seen = {}
+    monkeypatch.setattr(module.model, "compile", lambda **kwargs: seen.update(kwargs))
+    module.configure_model()
+    assert seen == {"mode": mode}
+    with pytest.raises(ValueError, match="compile must be true, false or one of"):
+        model(compile="fast")
 
 
 @pytest.mark.parametrize("norm,cls", [("rmsnorm", torch.nn.RMSNorm), ("layernorm", torch.nn.LayerNorm)])

@@ -13,8 +13,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, StackDataset
+from torch.utils.data import DataLoader
 
+from lit_thresh.data.batched import TensorRows, collate_batch
 from lit_thresh.data.resumable import ResumableDataModule
 
 IGNORE_INDEX = -100
@@ -174,7 +175,7 @@ class MQARDataModule(ResumableDataModule):
                         self.test_batch_sizes[scaled.name] = max(1, batch_size // m)
         for s in (*self.train_settings, *self.val_settings):
             _check_setting(s.num_examples, s.seq_len, s.num_kv_pairs, vocab_size, power_a)
-        self.datasets: dict[str, StackDataset] = {}
+        self.datasets: dict[str, TensorRows] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -228,7 +229,7 @@ class MQARDataModule(ResumableDataModule):
         """The split's own generator: seeds 3 * seed + {0, 1, 2} never coincide across splits."""
         return torch.Generator().manual_seed(len(_SPLITS) * self.hparams.seed + _SPLITS.index(split))
 
-    def _generate(self, settings: Sequence[MQARSetting], generator: torch.Generator) -> StackDataset:
+    def _generate(self, settings: Sequence[MQARSetting], generator: torch.Generator) -> TensorRows:
         """The settings' sequences, right-padded to the longest and concatenated."""
         seq_len = max(s.seq_len for s in settings)
         input_ids, labels = [], []
@@ -244,14 +245,18 @@ class MQARDataModule(ResumableDataModule):
             )
             input_ids.append(F.pad(x, (0, seq_len - s.seq_len), value=0))
             labels.append(F.pad(y, (0, seq_len - s.seq_len), value=IGNORE_INDEX))
-        return StackDataset(input_ids=torch.cat(input_ids), labels=torch.cat(labels))
+        return TensorRows(input_ids=torch.cat(input_ids), labels=torch.cat(labels))
 
     def _loader_options(self) -> dict[str, Any]:
-        """DataLoader options of every split: pinned batches on CUDA, so that their copy to the GPU does
-        not wait for the GPU's queued work."""
-        return {"num_workers": self.hparams.num_workers, "pin_memory": torch.cuda.is_available()}
+        """DataLoader options of every split: batches gathered whole (TensorRows), pinned on CUDA so that
+        their copy to the GPU does not wait for the GPU's queued work."""
+        return {
+            "num_workers": self.hparams.num_workers,
+            "pin_memory": torch.cuda.is_available(),
+            "collate_fn": collate_batch,
+        }
 
-    def _loader(self, dataset: StackDataset, batch_size: int | None = None) -> DataLoader:
+    def _loader(self, dataset: TensorRows, batch_size: int | None = None) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size or self.hparams.batch_size,

@@ -17,6 +17,7 @@ from filelock import FileLock
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lit_thresh.data.batched import collate_batch
 from lit_thresh.data.resumable import ResumableDataModule
 from lit_thresh.data.tokenizers import Tokenizer, TrainableTokenizer
 
@@ -39,6 +40,13 @@ class TokenWindows(Dataset[dict[str, Tensor]]):
         start = int(self.starts[index])
         window = self.tokens[start : start + self.block_size + 1].long()  # (T + 1,)
         return {"input_ids": window[:-1], "labels": window[1:]}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, Tensor]:
+        """A whole batch in one gather (lit_thresh.data.batched): the DataLoader calls this instead of
+        __getitem__ per index when its collate_fn is `collate_batch`."""
+        offsets = torch.arange(self.block_size + 1)  # (T + 1,)
+        windows = self.tokens[self.starts[indices, None] + offsets].long()  # (B, T + 1)
+        return {"input_ids": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous()}
 
 
 def block_starts(n_tokens: int, block_size: int) -> Tensor:
@@ -114,7 +122,8 @@ class TextDataModule(ResumableDataModule):
         seed: seed of the fixed draws and of the training order.
         cache_dir: `datasets` cache directory; default `datasets`' own.
         num_proc: processes for loading and tokenising.
-        num_workers: data loader worker processes.
+        num_workers: data loader worker processes; 0 (load in the training process) suits in-memory
+            token streams, whose batches are one gather (TokenWindows.__getitems__).
     """
 
     def __init__(
@@ -325,6 +334,7 @@ class TextDataModule(ResumableDataModule):
             "num_workers": self.num_workers,
             "persistent_workers": self.num_workers > 0,
             "pin_memory": torch.cuda.is_available(),
+            "collate_fn": collate_batch,
         }
 
     def _loader(self, dataset: Dataset, batch_size: int | None = None) -> DataLoader:

@@ -273,6 +273,20 @@ def test_batch_format(tmp_path, text_file):
         assert dm.decode(row.tolist()) in text_file.read_text()
 
 
+@pytest.mark.parametrize("split", ["train", "val", "test"])
+def test_batches_are_the_windows_of_their_indices(tmp_path, text_file, split):
+    """The loaders fetch a batch in one gather (TokenWindows.__getitems__): each row is the window that
+    __getitem__ gives for the index the sampler drew, in order, and contiguous."""
+    dm = ready(make_dm(tmp_path, str(text_file)))
+    loader = {"train": dm.train_dataloader, "val": dm.val_dataloader, "test": lambda: dm.test_dataloader()[0]}[split]()
+    batch = next(iter(loader))
+    indices = next(iter(loader.batch_sampler))
+    assert len(indices) == batch["input_ids"].shape[0] > 1
+    for key in ("input_ids", "labels"):
+        assert batch[key].is_contiguous()
+        assert torch.equal(batch[key], torch.stack([loader.dataset[i][key] for i in indices]))
+
+
 def test_random_and_block_sampling(tmp_path, text_file):
     blocks = ready(make_dm(tmp_path, str(text_file), sampling="blocks")).train_set
     n = len(blocks.tokens)
