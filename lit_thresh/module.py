@@ -29,7 +29,8 @@ class LanguageModel(L.LightningModule):
     torch.compile mode, e.g. "reduce-overhead" (CUDA graphs). optimizer: called with two parameter
     groups, the >= 2-D weights (decayed) and the rest (weight_decay 0); lr_scheduler: called with the
     optimizer, stepped every step (None = constant lr). Logs `train/{loss,acc}` every
-    `log_every_n_steps` (see training_step) and `val/{loss,acc,ppl}` (`val/<name>/...` for the DataModule's other `val_set_names`), same for test.
+    `log_every_n_steps` (see training_step) and `val/{loss,acc,ppl}` (`val/<name>/...` for the
+    DataModule's other `val_set_names`), same for test.
     """
 
     def __init__(

@@ -8,15 +8,15 @@ elsewhere. With ``random_non_queries`` the fillers are drawn uniformly from the 
 """
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from lit_thresh.data.batched import TensorRows, collate_batch
-from lit_thresh.data.resumable import ResumableDataModule
+from lit_thresh.data.batched import TensorRows, batched_loader_options
+from lit_thresh.data.resumable import ResumableDataModule, seeded_loader
 
 IGNORE_INDEX = -100
 _SPLITS = ("train", "val", "test")
@@ -210,8 +210,8 @@ class MQARDataModule(ResumableDataModule):
                 self.datasets[f"test/{name}"] = self._generate(settings, generator)
 
     def train_dataloader(self) -> DataLoader:
-        dataset, batch_size = self.datasets["train"], self.hparams.batch_size
-        return self.resumable_loader(dataset, batch_size, self.hparams.seed, **self._loader_options())
+        options = batched_loader_options(self.hparams.num_workers)
+        return self.resumable_loader(self.datasets["train"], self.hparams.batch_size, self.hparams.seed, **options)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["val"])
@@ -247,19 +247,6 @@ class MQARDataModule(ResumableDataModule):
             labels.append(F.pad(y, (0, seq_len - s.seq_len), value=IGNORE_INDEX))
         return TensorRows(input_ids=torch.cat(input_ids), labels=torch.cat(labels))
 
-    def _loader_options(self) -> dict[str, Any]:
-        """DataLoader options of every split: batches gathered whole (TensorRows), pinned on CUDA so that
-        their copy to the GPU does not wait for the GPU's queued work."""
-        return {
-            "num_workers": self.hparams.num_workers,
-            "pin_memory": torch.cuda.is_available(),
-            "collate_fn": collate_batch,
-        }
-
     def _loader(self, dataset: TensorRows, batch_size: int | None = None) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=batch_size or self.hparams.batch_size,
-            generator=torch.Generator().manual_seed(self.hparams.seed),  # leaves the global RNG alone
-            **self._loader_options(),
-        )
+        options = batched_loader_options(self.hparams.num_workers)
+        return seeded_loader(dataset, batch_size or self.hparams.batch_size, self.hparams.seed, **options)

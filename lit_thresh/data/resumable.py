@@ -22,6 +22,12 @@ def check_order_settings(saved: dict[str, int], current: dict[str, int]) -> None
         )
 
 
+def seeded_loader(dataset: Dataset, batch_size: int, seed: int, **loader_kwargs: Any) -> DataLoader:
+    """A DataLoader with its own generator, seeded by ``seed``: creating its iterators leaves the global
+    RNG (the model's, e.g. dropout) alone. Keyword arguments, so that Lightning can re-create it (predict)."""
+    return DataLoader(dataset, batch_size=batch_size, generator=torch.Generator().manual_seed(seed), **loader_kwargs)
+
+
 class ResumableSampler(DistributedSampler):
     """torch's DistributedSampler (a shuffle drawn from ``seed + epoch``, sharded over ``num_replicas``
     ranks) that can start an epoch after its first ``batches_done`` batches.
@@ -84,8 +90,7 @@ class ResumableDataModule(LightningDataModule):
         if self._saved_order is not None:
             self.train_sampler.load_state_dict(self._saved_order)
             self._saved_order = None
-        generator = torch.Generator().manual_seed(seed)
-        return DataLoader(dataset, batch_size, sampler=self.train_sampler, generator=generator, **loader_kwargs)
+        return seeded_loader(dataset, batch_size, seed, sampler=self.train_sampler, **loader_kwargs)
 
     def order_settings(self) -> dict[str, int]:
         """The settings of the training order known before ``setup``: ``seed`` and ``batch_size``."""

@@ -17,8 +17,8 @@ from filelock import FileLock
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lit_thresh.data.batched import collate_batch
-from lit_thresh.data.resumable import ResumableDataModule
+from lit_thresh.data.batched import batched_loader_options
+from lit_thresh.data.resumable import ResumableDataModule, seeded_loader
 from lit_thresh.data.tokenizers import Tokenizer, TrainableTokenizer
 
 DataFiles = str | list[str] | dict[str, str | list[str]]
@@ -330,16 +330,10 @@ class TextDataModule(ResumableDataModule):
 
     def _loader_options(self) -> dict[str, Any]:
         """DataLoader options of every split."""
-        return {
-            "num_workers": self.num_workers,
-            "persistent_workers": self.num_workers > 0,
-            "pin_memory": torch.cuda.is_available(),
-            "collate_fn": collate_batch,
-        }
+        return batched_loader_options(self.num_workers) | {"persistent_workers": self.num_workers > 0}
 
     def _loader(self, dataset: Dataset, batch_size: int | None = None) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)  # leaves the global RNG alone
-        return DataLoader(dataset, batch_size or self.batch_size, generator=generator, **self._loader_options())
+        return seeded_loader(dataset, batch_size or self.batch_size, self.seed, **self._loader_options())
 
     def train_dataloader(self) -> DataLoader:
         options = self._loader_options()
