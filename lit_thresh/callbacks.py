@@ -1,5 +1,6 @@
 """Callbacks shared by every ``lit_thresh`` run."""
 
+import itertools
 import time
 from typing import Any
 
@@ -8,7 +9,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, ThroughputMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 
@@ -118,6 +120,45 @@ class PeakMemory(Callback):
         if pl_module.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
             pl_module.log("perf/peak_memory_gib", peak, reduce_fx="max", sync_dist=True)
+
+
+class SigtermBroadcast(Callback):
+    """Under DDP, the ranks agree on a SIGTERM every `every_n_batches` training batches instead of every
+    batch (1: every batch, Lightning's own behaviour).
+
+    Before each training batch, Lightning 2.6 broadcasts rank 0's SIGTERM flag
+    (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a tensor copied to the device, a broadcast and an
+    ``.item()``. Each rank's CPU then waits for its previous step to finish before it queues the next,
+    and the GPU idles while the next batch is fetched and launched. This callback runs that same
+    broadcast on the first of every `every_n_batches` batches only. Every rank counts its own batches, and
+    all ranks run the same number, so the broadcasts still pair up. A SIGTERM is acted on at most
+    `every_n_batches - 1` batches later. Lightning PR #21640 (open) proposes the same as
+    ``Trainer(broadcast_sigterm_every_n_steps=...)``.
+    """
+
+    def __init__(self, every_n_batches: int = 10) -> None:
+        if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
+            raise ValueError(f"every_n_batches must be an int >= 1 (1 = every batch), got {every_n_batches!r}")
+        self.every_n_batches = every_n_batches
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or self.every_n_batches == 1:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        broadcast = getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None)
+        if broadcast is None:
+            rank_zero_warn("SigtermBroadcast: this Lightning has no _broadcast_sigterm_tensor; left as it is")
+            return
+        batches = itertools.count()
+
+        def every_nth_batch() -> None:
+            if next(batches) % self.every_n_batches == 0:
+                broadcast(loop)
+
+        loop._broadcast_sigterm_tensor = every_nth_batch  # shadows the method on this loop only
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
 
 
 class RNGState(Callback):

@@ -6,9 +6,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
-from lit_thresh.callbacks import TokenThroughput, TrainLossProgressBar
+from lit_thresh.callbacks import SigtermBroadcast, TokenThroughput, TrainLossProgressBar
 from tests.test_module import TinyData, model
 
 
@@ -62,3 +63,37 @@ def test_progress_bar_shows_the_logged_training_loss(tmp_path):
     assert [step for step, _ in seen] == [1, 2, 3, 4]
     assert seen[0][1] is None and seen[1][1] is not None and seen[2][1] == seen[1][1] and seen[3][1] != seen[1][1]
     assert all(isinstance(loss, float) and loss > 0 for _, loss in seen[1:])
+
+
+@pytest.mark.parametrize("every_n_batches,broadcasts", [(1, list(range(12))), (5, [0, 5, 10]), (20, [0])])
+def test_sigterm_broadcast_runs_lightnings_broadcast_on_every_nth_batch(monkeypatch, every_n_batches, broadcasts):
+    """The training loop asks for the SIGTERM broadcast before every batch; Lightning's own broadcast runs
+    on the first of every n of those asks, on this trainer's loop only, and is put back at teardown."""
+    ran = []
+    monkeypatch.setattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", lambda loop: ran.append((loop, asks)))
+    trainer, other = L.Trainer(logger=False), L.Trainer(logger=False)
+    loop = trainer.fit_loop.epoch_loop
+    callback = SigtermBroadcast(every_n_batches)
+    callback.setup(trainer, None, "fit")
+    for asks in range(12):
+        loop._broadcast_sigterm_tensor()
+    assert ran == [(loop, i) for i in broadcasts]
+    other.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # another trainer's loop: untouched
+    assert ran[-1][0] is other.fit_loop.epoch_loop
+    callback.teardown(trainer, None, "fit")
+    ran.clear()
+    for asks in range(3):
+        loop._broadcast_sigterm_tensor()
+    assert ran == [(loop, 0), (loop, 1), (loop, 2)]  # Lightning's again, every batch
+
+
+def test_sigterm_broadcast_leaves_other_stages_alone(monkeypatch):
+    trainer = L.Trainer(logger=False)
+    SigtermBroadcast(4).setup(trainer, None, "validate")
+    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True, "10"])
+def test_sigterm_broadcast_refuses_a_bad_interval(bad):
+    with pytest.raises(ValueError, match=r"every_n_batches must be an int >= 1 \(1 = every batch\), got"):
+        SigtermBroadcast(bad)

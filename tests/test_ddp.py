@@ -4,6 +4,7 @@ that cover the whole validation set."""
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import lightning as L
@@ -29,14 +30,31 @@ RUN = Path("lightning_logs/quickstart/version_0")
 # rescales rows that barely pass the threshold): its curves part by ~1e-2 after 10 steps at lr 1e-2 even
 # in one process that sums the batch as two halves, so the test trains softmax attention.
 LOSS_RTOL = 1e-5
+SIGTERM_EVERY = 5  # the ranks agree on a SIGTERM before training batches 0, 5, 10 (of both epochs' 12)
+SIGTERM_AT = 7  # a step between two of those
 
 
 class RecordBatches(Callback):
-    """Test probe: writes each rank's training batches (token rows), its own loss of each step, and its
-    validation rows to `batches_rank<r>.json` in the working directory."""
+    """Test probe: writes each rank's training batches (token rows), its own loss of each step, its
+    validation rows and whether Lightning's SIGTERM broadcast (`torch.distributed.broadcast`) ran before
+    each training batch to `batches_rank<r>.json` in the working directory."""
 
     def __init__(self) -> None:
-        self.record: dict[str, list] = {"train": [], "loss": [], "val": []}
+        self.record: dict[str, list] = {"train": [], "loss": [], "val": [], "sigterm": []}
+        self.broadcasts = self.seen = 0
+
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        broadcast = torch.distributed.broadcast
+
+        def counted(*args, **kwargs):
+            self.broadcasts += 1
+            return broadcast(*args, **kwargs)
+
+        torch.distributed.broadcast = counted  # in this run's own process
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        self.record["sigterm"].append(self.broadcasts > self.seen)
+        self.seen = self.broadcasts
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.record["train"].append(batch["input_ids"].tolist())  # (B, T)
@@ -48,6 +66,20 @@ class RecordBatches(Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
         Path(f"batches_rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
+
+
+class SigtermRank0(Callback):
+    """Test probe: rank 0 sends itself SIGTERM after training step SIGTERM_AT (as a scheduler's preemption
+    would); each rank writes the steps it finished to `steps_rank<r>.json`."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.steps.append(trainer.global_step)
+        Path(f"steps_rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+        if trainer.global_rank == 0 and trainer.global_step == SIGTERM_AT:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def fit(cwd: Path, *devices: str, batch_size: int) -> None:
@@ -62,6 +94,7 @@ def fit(cwd: Path, *devices: str, batch_size: int) -> None:
         "--trainer.log_every_n_steps=1",
         "--trainer.enable_progress_bar=false",
         "--trainer.callbacks+=tests.test_ddp.RecordBatches",
+        f"--sigterm.every_n_batches={SIGTERM_EVERY}",
         "--model.attention=SoftmaxAttention",  # see LOSS_RTOL
         "--model.optimizer.init_args.lr=1e-2",  # no warmup, a larger step: the model learns in 12 steps
         "--model.lr_scheduler.init_args.warmup_steps=0",
@@ -72,12 +105,17 @@ def fit(cwd: Path, *devices: str, batch_size: int) -> None:
     )
 
 
+def import_probes(patch: pytest.MonkeyPatch) -> None:
+    """Lets the command's processes import this file's probes (tests.test_ddp)."""
+    root = Path(__file__).parents[1]
+    patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The working directories of a 2-process DDP fit (BATCH per rank) and a 1-process fit (2 * BATCH)."""
-    root = Path(__file__).parents[1]  # the subprocesses import RecordBatches from tests.test_ddp
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        import_probes(patch)
         ddp, single = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("single")
         fit(ddp, "--trainer.strategy=ddp", "--trainer.devices=2", batch_size=BATCH)
         fit(single, "--trainer.devices=1", batch_size=2 * BATCH)
@@ -117,6 +155,15 @@ def test_each_rank_sees_its_own_half_of_the_one_process_batches(runs):
     val0, val1 = rows(rank0["val"]), rows(rank1["val"])
     assert len(val0) == len(val1) == VAL.num_examples // 2 and not val0 & val1
     assert val0 | val1 == rows(single["val"])
+
+
+def test_the_ranks_agree_on_a_sigterm_every_n_batches(runs):
+    """SigtermBroadcast: Lightning's broadcast runs before the same batches on both ranks, every
+    SIGTERM_EVERY-th counted over the epochs, and never in one process."""
+    (single,) = records(runs["single"])
+    expected = [step % SIGTERM_EVERY == 0 for step in range(STEPS)]
+    assert [rank["sigterm"] for rank in records(runs["ddp"])] == [expected, expected]
+    assert single["sigterm"] == [False] * STEPS
 
 
 def test_the_loss_curve_is_the_one_process_curve(runs):
@@ -162,3 +209,13 @@ def test_logged_validation_metrics_cover_the_whole_validation_set(runs):
     acc = (logits.argmax(-1)[supervised] == batch["labels"][supervised]).float().mean()
     assert curve(run, "val/loss")[epoch].item() == pytest.approx(loss.item(), rel=1e-5)
     assert curve(run, "val/acc")[epoch].item() == pytest.approx(acc.item(), rel=1e-5)
+
+
+def test_a_sigterm_to_rank_0_stops_both_ranks_after_the_same_step(tmp_path, monkeypatch):
+    """A SIGTERM between two of SigtermBroadcast's broadcasts: Lightning forwards it to the other rank, both
+    stop after the step that was running, and the command ends (no rank waits for the other)."""
+    import_probes(monkeypatch)
+    probe = "--trainer.callbacks+=tests.test_ddp.SigtermRank0"
+    fit(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", probe, batch_size=BATCH)
+    ranks = [json.loads((tmp_path / f"steps_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks == [list(range(1, SIGTERM_AT + 1))] * 2

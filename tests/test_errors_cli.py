@@ -81,6 +81,9 @@ CASES = {
         1,
         ["positional='learned'", "64 tokens", "training on 32"],
     ),
+    "sigterm_interval_zero": Case(
+        fit("--sigterm.every_n_batches=0", INTO_RUN), 1, ["every_n_batches must be an int >= 1", "got 0"]
+    ),
     "missing_data_file": Case(
         fit(
             "--data=lit_thresh.data.TextDataModule",
