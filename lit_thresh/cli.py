@@ -116,7 +116,8 @@ def one_thread_per_process(trainer: Trainer) -> None:
     several = trainer.num_devices > 1
     if (several or isinstance(trainer.accelerator, CUDAAccelerator)) and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-        rank_zero_info(f"lit_thresh: 1 CPU thread per process (OMP_NUM_THREADS unset, {'several devices' if several else 'a GPU'})")
+        why = "several devices" if several else "a GPU"
+        rank_zero_info(f"lit_thresh: 1 CPU thread per process (OMP_NUM_THREADS unset, {why})")
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LitThreshCLI:
