@@ -1,6 +1,7 @@
 """Callbacks shared by every ``lit_thresh`` run."""
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -9,9 +10,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, ThroughputMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
 
 
 class HparamsWithMetrics(Callback):
@@ -122,42 +125,63 @@ class PeakMemory(Callback):
             pl_module.log("perf/peak_memory_gib", peak, reduce_fx="max", sync_dist=True)
 
 
-class SigtermBroadcast(Callback):
-    """Under DDP, the ranks agree on a SIGTERM every `every_n_batches` training batches instead of every
-    batch (1: every batch, Lightning's own behaviour).
+class SigtermCheck(Callback):
+    """Under DDP, the ranks compare their SIGTERM flags before every `every_n_batches`-th training batch
+    and stop together (1: Lightning's own handling, a broadcast before every batch).
 
-    Before each training batch, Lightning 2.6 broadcasts rank 0's SIGTERM flag
-    (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a tensor copied to the device, a broadcast and an
-    ``.item()``. Each rank's CPU then waits for its previous step to finish before it queues the next,
-    and the GPU idles while the next batch is fetched and launched. This callback runs that same
-    broadcast on the first of every `every_n_batches` batches only. Every rank counts its own batches, and
-    all ranks run the same number, so the broadcasts still pair up. A SIGTERM is acted on at most
-    `every_n_batches - 1` batches later. Lightning PR #21640 (open) proposes the same as
-    ``Trainer(broadcast_sigterm_every_n_steps=...)``.
+    Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training batch under DDP
+    (``_TrainingEpochLoop._broadcast_sigterm_tensor``: a tensor copied to the device, a broadcast, an
+    ``.item()``), so each rank's CPU waits for its previous step before it queues the next; its SIGTERM
+    handler broadcasts too, to meet the other ranks' next per-batch broadcast. Here a SIGTERM only marks
+    the rank that gets it (and, as Lightning's handler does, is passed on to the processes its launcher
+    started). Before every n-th training batch (the same batches on every rank: each counts its own, and
+    all run the same number) the ranks all-reduce their marks; if any rank was signalled, every rank sets
+    ``trainer.received_sigterm`` and raises Lightning's SIGTERMException before that batch. A SIGTERM
+    to any rank is thus acted on by all of them together, at most n-1 training batches later (one during
+    validation, after it). Lightning PR #21640 (open) proposes the interval as
+    ``Trainer(broadcast_sigterm_every_n_steps=...)``. ``checks``: the comparisons made in this run.
     """
 
     def __init__(self, every_n_batches: int = 10) -> None:
         if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
             raise ValueError(f"every_n_batches must be an int >= 1 (1 = every batch), got {every_n_batches!r}")
         self.every_n_batches = every_n_batches
+        self.checks = 0
+        self._signalled = False
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit" or self.every_n_batches == 1:
+        self.checks, self._signalled = 0, False
+        if stage != "fit" or self.every_n_batches == 1 or trainer.world_size == 1:
             return
-        loop = trainer.fit_loop.epoch_loop
-        broadcast = getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None)
-        if broadcast is None:
-            rank_zero_warn("SigtermBroadcast: this Lightning has no _broadcast_sigterm_tensor; left as it is")
+        connector, loop = trainer._signal_connector, trainer.fit_loop.epoch_loop
+        if not (hasattr(connector, "_sigterm_notifier_fn") and hasattr(loop, "_broadcast_sigterm_tensor")):
+            rank_zero_warn("SigtermCheck: this Lightning handles SIGTERM differently; left as it is")
             return
         batches = itertools.count()
 
-        def every_nth_batch() -> None:
-            if next(batches) % self.every_n_batches == 0:
-                broadcast(loop)
+        def on_sigterm(signum: int, frame: Any) -> None:
+            log.info(f"[rank: {trainer.global_rank}] Received SIGTERM: {signum}")
+            if not self._signalled and trainer.strategy.launcher is not None:
+                trainer.strategy.launcher.kill(signum)  # the other ranks, if this process started them
+            self._signalled = True
 
-        loop._broadcast_sigterm_tensor = every_nth_batch  # shadows the method on this loop only
+        def compare_flags() -> None:
+            if next(batches) % self.every_n_batches:
+                return
+            self.checks += 1
+            flag = torch.tensor([int(self._signalled)], device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if flag.item():
+                connector.received_sigterm = True
+                raise SIGTERMException
+
+        # Instance attributes shadow Lightning's methods on this trainer only; Lightning registers its
+        # SIGTERM handler (connector._sigterm_notifier_fn) after the setup hooks.
+        connector._sigterm_notifier_fn = on_sigterm
+        loop._broadcast_sigterm_tensor = compare_flags
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        vars(trainer._signal_connector).pop("_sigterm_notifier_fn", None)
         vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
 
 

@@ -21,7 +21,7 @@ from lit_thresh.callbacks import (
     NaNGuard,
     PeakMemory,
     RNGState,
-    SigtermBroadcast,
+    SigtermCheck,
     StepCheckpoint,
     TokenThroughput,
     TrainLossProgressBar,
@@ -42,7 +42,7 @@ from lit_thresh.resume import check_data_order, check_hyperparameters, resolve_l
 class LitThreshCLI(LightningCLI):
     """LightningCLI with a ``checkpoint`` group (ModelCheckpoint, the best), a ``step_checkpoint`` group
     (StepCheckpoint, last.ckpt every N steps, validation and epoch), a ``diagnostics`` group
-    (AttentionDiagnostics), a ``sigterm`` group (SigtermBroadcast: under DDP, the ranks agree on a SIGTERM
+    (AttentionDiagnostics), a ``sigterm`` group (SigtermCheck: under DDP, the ranks compare SIGTERM flags
     every 10 batches, not every batch), a RichProgressBar (TrainLossProgressBar), and the data's
     vocabulary size and longest sequence fed to the model.
 
@@ -84,7 +84,7 @@ class LitThreshCLI(LightningCLI):
         parser.add_class_arguments(StepCheckpoint, "step_checkpoint")  # last.ckpt every N steps; 0: off
         parser.link_arguments("checkpoint.dirpath", "step_checkpoint.dirpath")
         parser.add_class_arguments(AttentionDiagnostics, "diagnostics")  # off: --diagnostics.enabled false
-        parser.add_class_arguments(SigtermBroadcast, "sigterm")  # Lightning's every batch: --sigterm.every_n_batches 1
+        parser.add_class_arguments(SigtermCheck, "sigterm")  # Lightning's every batch: --sigterm.every_n_batches 1
         parser.set_defaults({"checkpoint.monitor": "val/loss"})  # last.ckpt: step_checkpoint's
         parser.set_defaults({"checkpoint.enable_version_counter": False})  # step_checkpoint writes last.ckpt too
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")

@@ -1,15 +1,17 @@
 """lit_thresh.callbacks in isolation (the CLI tests cover them inside runs)."""
 
+import signal
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_thresh.callbacks import SigtermBroadcast, TokenThroughput, TrainLossProgressBar
+from lit_thresh.callbacks import SigtermCheck, TokenThroughput, TrainLossProgressBar
 from tests.test_module import TinyData, model
 
 
@@ -65,35 +67,48 @@ def test_progress_bar_shows_the_logged_training_loss(tmp_path):
     assert all(isinstance(loss, float) and loss > 0 for _, loss in seen[1:])
 
 
-@pytest.mark.parametrize("every_n_batches,broadcasts", [(1, list(range(12))), (5, [0, 5, 10]), (20, [0])])
-def test_sigterm_broadcast_runs_lightnings_broadcast_on_every_nth_batch(monkeypatch, every_n_batches, broadcasts):
-    """The training loop asks for the SIGTERM broadcast before every batch; Lightning's own broadcast runs
-    on the first of every n of those asks, on this trainer's loop only, and is put back at teardown."""
-    ran = []
-    monkeypatch.setattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", lambda loop: ran.append((loop, asks)))
-    trainer, other = L.Trainer(logger=False), L.Trainer(logger=False)
-    loop = trainer.fit_loop.epoch_loop
-    callback = SigtermBroadcast(every_n_batches)
+@pytest.fixture
+def two_rank_trainer(monkeypatch):
+    """A Trainer that believes it has 2 ranks, over a 1-process gloo group (all-reduce works in-process)."""
+    monkeypatch.setattr(L.Trainer, "world_size", property(lambda self: 2))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield L.Trainer(logger=False, accelerator="cpu")
+    dist.destroy_process_group()
+
+
+def test_sigterm_check_compares_flags_every_nth_batch_and_stops_once_signalled(two_rank_trainer):
+    """The loop asks before every batch; the flags are compared on asks 0, 5, 10, ...; a SIGTERM only marks
+    the rank, and the next comparison stops training (received_sigterm, SIGTERMException); teardown puts
+    Lightning's methods back."""
+    trainer = two_rank_trainer
+    loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
+    callback = SigtermCheck(5)
     callback.setup(trainer, None, "fit")
-    for asks in range(12):
+    for _ in range(12):  # asks 0..11
         loop._broadcast_sigterm_tensor()
-    assert ran == [(loop, i) for i in broadcasts]
-    other.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # another trainer's loop: untouched
-    assert ran[-1][0] is other.fit_loop.epoch_loop
+    assert callback.checks == 3 and not trainer.received_sigterm
+    connector._sigterm_notifier_fn(signal.SIGTERM, None)  # what Lightning registers as the SIGTERM handler
+    assert not trainer.received_sigterm
+    for _ in range(3):  # asks 12..14: no comparison
+        loop._broadcast_sigterm_tensor()
+    with pytest.raises(SIGTERMException):
+        loop._broadcast_sigterm_tensor()  # ask 15
+    assert callback.checks == 4 and trainer.received_sigterm
     callback.teardown(trainer, None, "fit")
-    ran.clear()
-    for asks in range(3):
-        loop._broadcast_sigterm_tensor()
-    assert ran == [(loop, 0), (loop, 1), (loop, 2)]  # Lightning's again, every batch
+    assert not {"_broadcast_sigterm_tensor", "_sigterm_notifier_fn"} & (vars(loop).keys() | vars(connector).keys())
 
 
-def test_sigterm_broadcast_leaves_other_stages_alone(monkeypatch):
+@pytest.mark.parametrize("stage,every_n_batches,world_size", [("validate", 5, 2), ("fit", 1, 2), ("fit", 5, 1)])
+def test_sigterm_check_leaves_lightning_alone(monkeypatch, stage, every_n_batches, world_size):
+    """Outside fit, at every_n_batches 1, or in one process, Lightning keeps its own SIGTERM handling."""
+    monkeypatch.setattr(L.Trainer, "world_size", property(lambda self: world_size))
     trainer = L.Trainer(logger=False)
-    SigtermBroadcast(4).setup(trainer, None, "validate")
+    SigtermCheck(every_n_batches).setup(trainer, None, stage)
     assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
+    assert "_sigterm_notifier_fn" not in vars(trainer._signal_connector)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, True, "10"])
-def test_sigterm_broadcast_refuses_a_bad_interval(bad):
+def test_sigterm_check_refuses_a_bad_interval(bad):
     with pytest.raises(ValueError, match=r"every_n_batches must be an int >= 1 \(1 = every batch\), got"):
-        SigtermBroadcast(bad)
+        SigtermCheck(bad)

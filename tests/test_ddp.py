@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lit_thresh.callbacks import SigtermCheck
 from lit_thresh.data import MQARDataModule, MQARSetting
 from lit_thresh.module import LanguageModel
 from tests.test_cli import QUICKSTART, run_cli
@@ -31,30 +32,22 @@ RUN = Path("lightning_logs/quickstart/version_0")
 # in one process that sums the batch as two halves, so the test trains softmax attention.
 LOSS_RTOL = 1e-5
 SIGTERM_EVERY = 5  # the ranks agree on a SIGTERM before training batches 0, 5, 10 (of both epochs' 12)
-SIGTERM_AT = 7  # a step between two of those
+SIGTERM_AT = 7  # a step between two of those: every rank stops after step 10
 
 
 class RecordBatches(Callback):
     """Test probe: writes each rank's training batches (token rows), its own loss of each step, its
-    validation rows and whether Lightning's SIGTERM broadcast (`torch.distributed.broadcast`) ran before
-    each training batch to `batches_rank<r>.json` in the working directory."""
+    validation rows and whether SigtermCheck compared the ranks' SIGTERM flags before each training
+    batch to `batches_rank<r>.json` in the working directory."""
 
     def __init__(self) -> None:
         self.record: dict[str, list] = {"train": [], "loss": [], "val": [], "sigterm": []}
-        self.broadcasts = self.seen = 0
-
-    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
-        broadcast = torch.distributed.broadcast
-
-        def counted(*args, **kwargs):
-            self.broadcasts += 1
-            return broadcast(*args, **kwargs)
-
-        torch.distributed.broadcast = counted  # in this run's own process
+        self.seen = 0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
-        self.record["sigterm"].append(self.broadcasts > self.seen)
-        self.seen = self.broadcasts
+        (sigterm,) = [callback for callback in trainer.callbacks if isinstance(callback, SigtermCheck)]
+        self.record["sigterm"].append(sigterm.checks > self.seen)
+        self.seen = sigterm.checks
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.record["train"].append(batch["input_ids"].tolist())  # (B, T)
@@ -68,17 +61,18 @@ class RecordBatches(Callback):
         Path(f"batches_rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
 
 
-class SigtermRank0(Callback):
-    """Test probe: rank 0 sends itself SIGTERM after training step SIGTERM_AT (as a scheduler's preemption
-    would); each rank writes the steps it finished to `steps_rank<r>.json`."""
+class SigtermOneRank(Callback):
+    """Test probe: rank `rank` sends itself SIGTERM after training step SIGTERM_AT (as a scheduler's
+    preemption would); each rank writes the steps it finished to `steps_rank<r>.json`."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self.steps: list[int] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.steps.append(trainer.global_step)
         Path(f"steps_rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
-        if trainer.global_rank == 0 and trainer.global_step == SIGTERM_AT:
+        if trainer.global_rank == self.rank and trainer.global_step == SIGTERM_AT:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -157,9 +151,9 @@ def test_each_rank_sees_its_own_half_of_the_one_process_batches(runs):
     assert val0 | val1 == rows(single["val"])
 
 
-def test_the_ranks_agree_on_a_sigterm_every_n_batches(runs):
-    """SigtermBroadcast: Lightning's broadcast runs before the same batches on both ranks, every
-    SIGTERM_EVERY-th counted over the epochs, and never in one process."""
+def test_the_ranks_compare_sigterm_flags_every_n_batches(runs):
+    """SigtermCheck compares the ranks' flags before the same batches on both ranks, every
+    SIGTERM_EVERY-th counted over the epochs, and never in one process (Lightning's own handling there)."""
     (single,) = records(runs["single"])
     expected = [step % SIGTERM_EVERY == 0 for step in range(STEPS)]
     assert [rank["sigterm"] for rank in records(runs["ddp"])] == [expected, expected]
@@ -211,11 +205,15 @@ def test_logged_validation_metrics_cover_the_whole_validation_set(runs):
     assert curve(run, "val/acc")[epoch].item() == pytest.approx(acc.item(), rel=1e-5)
 
 
-def test_a_sigterm_to_rank_0_stops_both_ranks_after_the_same_step(tmp_path, monkeypatch):
-    """A SIGTERM between two of SigtermBroadcast's broadcasts: Lightning forwards it to the other rank, both
-    stop after the step that was running, and the command ends (no rank waits for the other)."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path, monkeypatch, rank):
+    """A SIGTERM to one rank after step SIGTERM_AT: both ranks train on to the next comparison of their
+    flags (before step 11) and stop there, together, and the command ends. Rank 0 also passes the signal on
+    to rank 1 (Lightning's launcher started it); a signal to rank 1 alone reaches rank 0 only through the
+    comparison."""
     import_probes(monkeypatch)
-    probe = "--trainer.callbacks+=tests.test_ddp.SigtermRank0"
+    probe = f"--trainer.callbacks+={{class_path: tests.test_ddp.SigtermOneRank, init_args: {{rank: {rank}}}}}"
     fit(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", probe, batch_size=BATCH)
-    ranks = [json.loads((tmp_path / f"steps_rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert ranks == [list(range(1, SIGTERM_AT + 1))] * 2
+    stop = -(-SIGTERM_AT // SIGTERM_EVERY) * SIGTERM_EVERY  # the first comparison after the signal
+    ranks = [json.loads((tmp_path / f"steps_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks == [list(range(1, stop + 1))] * 2
