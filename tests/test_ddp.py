@@ -31,7 +31,7 @@ RUN = Path("lightning_logs/quickstart/version_0")
 # rescales rows that barely pass the threshold): its curves part by ~1e-2 after 10 steps at lr 1e-2 even
 # in one process that sums the batch as two halves, so the test trains softmax attention.
 LOSS_RTOL = 1e-5
-SIGTERM_EVERY = 5  # the ranks agree on a SIGTERM before training batches 0, 5, 10 (of both epochs' 12)
+SIGTERM_EVERY = 5  # the ranks compare SIGTERM flags before training batches 0, 5, 10 (of both epochs' 12)
 SIGTERM_AT = 7  # a step between two of those: every rank stops after step 10
 
 
