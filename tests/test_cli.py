@@ -130,39 +130,40 @@ def test_defaults(capsys):
     assert config["step_checkpoint"]["every_n_train_steps"] == 500
 
 
+@pytest.fixture
+def omp_num_threads(monkeypatch):
+    """Sets OMP_NUM_THREADS (None: unset) for the test, with torch at 2 CPU threads; restores them after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def set_env(value: str | None) -> None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        if value is not None:
+            monkeypatch.setenv("OMP_NUM_THREADS", value)
+
+    yield set_env
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("devices,env,threads", [(2, None, 1), (2, "3", None), (1, None, None)])
-def test_one_cpu_thread_per_process_under_several_devices(monkeypatch, devices, env, threads):
+def test_one_cpu_thread_per_process_under_several_devices(omp_num_threads, devices, env, threads):
     """As torchrun: several devices and OMP_NUM_THREADS unset -> 1 CPU thread per process; otherwise (one
     CPU process, or OMP_NUM_THREADS set) the thread count is left alone (None)."""
     from lit_thresh.cli import build_cli
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    if env is not None:
-        monkeypatch.setenv("OMP_NUM_THREADS", env)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        args = ["--data", "lit_thresh.data.MQARDataModule", "--trainer.accelerator", "cpu"]
-        build_cli([*args, "--trainer.devices", str(devices), "--trainer.strategy", "ddp"], run=False)
-        assert torch.get_num_threads() == (threads or 2)
-    finally:
-        torch.set_num_threads(before)
+    omp_num_threads(env)
+    args = ["--data", "lit_thresh.data.MQARDataModule", "--trainer.accelerator", "cpu"]
+    build_cli([*args, "--trainer.devices", str(devices), "--trainer.strategy", "ddp"], run=False)
+    assert torch.get_num_threads() == (threads or 2)
 
 
 @pytest.mark.parametrize("env,threads", [(None, 1), ("3", None)])
-def test_one_cpu_thread_for_a_process_on_a_gpu(monkeypatch, env, threads):
+def test_one_cpu_thread_for_a_process_on_a_gpu(omp_num_threads, env, threads):
     """One process on one GPU also gets 1 CPU thread (OMP_NUM_THREADS unset): its CPU only queues kernels."""
     from lightning.pytorch.accelerators import CUDAAccelerator
 
     from lit_thresh.cli import one_thread_per_process
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    if env is not None:
-        monkeypatch.setenv("OMP_NUM_THREADS", env)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        one_thread_per_process(SimpleNamespace(num_devices=1, accelerator=CUDAAccelerator()))
-        assert torch.get_num_threads() == (threads or 2)
-    finally:
-        torch.set_num_threads(before)
+    omp_num_threads(env)
+    one_thread_per_process(SimpleNamespace(num_devices=1, accelerator=CUDAAccelerator()))
+    assert torch.get_num_threads() == (threads or 2)
