@@ -119,7 +119,9 @@ class TextDataModule(ResumableDataModule):
             instead of every start.
         val_samples: a fixed draw of this many validation windows instead of consecutive blocks.
         test_length_multipliers: extra test sets of windows at these multiples of `block_size`.
-        seed: seed of the fixed draws and of the training order.
+        seed: seed of the training windows' draw (`samples_per_epoch`) and order.
+        val_seed: seed of the validation draw (`val_samples`), apart from `seed` so that runs with
+            other training orders are scored on the same windows.
         cache_dir: `datasets` cache directory; default `datasets`' own.
         num_proc: processes for loading and tokenising.
         num_workers: data loader worker processes; 0 (load in the training process) suits in-memory
@@ -144,6 +146,7 @@ class TextDataModule(ResumableDataModule):
         val_samples: int | None = None,
         test_length_multipliers: Sequence[int] = (),
         seed: int = 0,
+        val_seed: int = 0,
         cache_dir: str | None = None,
         num_proc: int | None = None,
         num_workers: int = 0,
@@ -183,6 +186,7 @@ class TextDataModule(ResumableDataModule):
         self.val_samples = val_samples
         self.test_length_multipliers = tuple(dict.fromkeys(test_length_multipliers))
         self.seed = seed
+        self.val_seed = val_seed
         self.cache_dir = cache_dir
         self.num_proc = num_proc
         self.num_workers = num_workers
@@ -314,7 +318,7 @@ class TextDataModule(ResumableDataModule):
         if self.val_samples is None:
             val_starts = block_starts(n_val, self.block_size)
         else:
-            val_starts = random_starts(n_val, self.block_size, self.val_samples, self.seed)
+            val_starts = random_starts(n_val, self.block_size, self.val_samples, self.val_seed)
         self.train_set = TokenWindows(streams["train"], train_starts, self.block_size)
         self.val_set = TokenWindows(streams["val"], val_starts, self.block_size)
         test = streams.get("test", streams["val"])

@@ -13,7 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import SequentialSampler
 
 from lit_thresh.data.resumable import ResumableSampler
-from lit_thresh.data.text import TextDataModule, block_starts
+from lit_thresh.data.text import TextDataModule, block_starts, random_starts
 from lit_thresh.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
 from lit_thresh.module import LanguageModel
 
@@ -349,6 +349,18 @@ def test_val_windows_fixed_and_independent_of_limit_val_batches(tmp_path, text_f
     trainer = Trainer(limit_val_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.validate(model, datamodule=make_dm(tmp_path, str(text_file), val_samples=val_samples, seed=3))
     assert torch.equal(torch.cat(model.seen), everything[:8])
+
+
+def test_val_draw_follows_val_seed_not_the_training_seed(tmp_path, text_file):
+    """Runs with other training orders (`seed`) are scored on the same drawn windows; `val_seed` redraws them."""
+    base = ready(make_dm(tmp_path, str(text_file), val_samples=40, samples_per_epoch=100, seed=1))
+    other_order = ready(make_dm(tmp_path, str(text_file), val_samples=40, samples_per_epoch=100, seed=2))
+    redrawn = ready(make_dm(tmp_path, str(text_file), val_samples=40, samples_per_epoch=100, seed=1, val_seed=5))
+    assert not torch.equal(base.train_set.starts, other_order.train_set.starts)
+    assert torch.equal(base.val_set.starts, other_order.val_set.starts)
+    assert torch.equal(base.val_set.starts, random_starts(len(base.val_set.tokens), 16, 40, 0))
+    assert not torch.equal(base.val_set.starts, redrawn.val_set.starts)
+    assert torch.equal(base.train_set.starts, redrawn.train_set.starts)
 
 
 # Length generalisation
