@@ -1,121 +1,530 @@
-"""Time threshold attention against PyTorch SDPA (and optionally the seed kernel) on a CUDA device.
+"""Time threshold attention against PyTorch SDPA (cuDNN and flash backends) on a CUDA device.
 
-    python -m lit_thresh.bench                       # (4, 16, 2048, 64) bf16, forward and forward+backward
-    python -m lit_thresh.bench --seq-lens 1024 4096 --dtype float16 --seed-path path/to/seed.py
-    python -m lit_thresh.bench --sweep               # also try block configs of each kernel
+    python -m lit_thresh.bench                                   # the whole grid, one table
+    python -m lit_thresh.bench --head-dims 128 --seq-lens 4096 --dtypes bfloat16 --quick
+    python -m lit_thresh.bench --sweep --no-table --csv sweep.csv  # block configs of each kernel
 
-Times are medians of triton.testing.do_bench; the table gives each variant's time over SDPA's.
+Grid: head dim D x sequence length T x dtype, B = tokens / T sequences of H heads, causal. Columns, for
+forward and forward+backward: median ms (triton.testing.do_bench), TFLOP/s of causal attention (forward
+2 B H T^2 D, backward 2.5x forward; the differential op counts two maps), `x cudnn` / `x flash` = the SDPA
+backend's time over this row's (above 1: faster than SDPA), and peak extra memory (MiB, outputs and
+gradients included). Rows: SDPA; the single op (beta learnable, so dbeta is computed); the differential op
+fused (when lit_thresh.ops has it) and as two single calls; and rows on sparse maps: unit-norm q, k drawn
+around one direction per 512-position segment, beta set so that a measured 50 / 90 / 99% of the causal
+weights are zero, launched with skip_zero off and on (the measured zero fraction of weights and of 64x64
+tiles is printed). Host overhead: host time per call on tiny inputs, with no synchronisation in the loop.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import itertools
-from collections.abc import Callable
+import csv
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, fields, replace
+from multiprocessing import get_context
 
 import torch
 import torch.nn.functional as F
 
-from lit_thresh.ops import differential_threshold_rela_triton, threshold_attention
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+SDPA_VARIANTS = ("sdpa cudnn", "sdpa flash")
+SEGMENT = 512  # positions sharing one direction in the sparse-map inputs
+TILE = 64  # tile edge for the measured all-zero tile fraction
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+@dataclass
+class Result:
+    """One timed variant at one grid point; times in ms, memory in MiB; NaN where not measured."""
+
+    variant: str
+    dtype: str
+    head_dim: int
+    seq_len: int
+    batch: int
+    heads: int
+    fwd_ms: float = math.nan
+    fwd_bwd_ms: float = math.nan
+    fwd_mib: float = math.nan
+    fwd_bwd_mib: float = math.nan
+    maps: int = 1  # attention maps computed (2 for the differential op), for the FLOP count
+    note: str = ""
 
 
-def _median_ms(fn: Callable[[], object], grads: list[torch.Tensor]) -> float:
+@dataclass
+class HostResult:
+    variant: str
+    host_us: float  # host time per call, no synchronisation between calls
+
+
+@dataclass
+class Timing:
+    """How long do_bench measures: milliseconds of warm-up and of repeats."""
+
+    warmup: int = 25
+    rep: int = 100
+
+
+def causal_fwd_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> float:
+    """Two (T x T x D) products, half of them under the causal mask."""
+    return 2.0 * batch * heads * seq_len * seq_len * head_dim
+
+
+def _tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def derived(results: Sequence[Result]) -> list[dict]:
+    """Each result as a dict with TFLOP/s and the time ratios against SDPA cuDNN and flash added."""
+    base = {(r.dtype, r.head_dim, r.seq_len, r.variant): r for r in results if r.variant in SDPA_VARIANTS}
+    rows = []
+    for r in results:
+        flops = r.maps * causal_fwd_flops(r.batch, r.heads, r.seq_len, r.head_dim)
+        row = asdict(r)
+        row["fwd_tflops"] = _tflops(flops, r.fwd_ms)
+        row["fwd_bwd_tflops"] = _tflops(3.5 * flops, r.fwd_bwd_ms)
+        for name in SDPA_VARIANTS:
+            ref = base.get((r.dtype, r.head_dim, r.seq_len, name))
+            tag = name.split()[1]
+            row[f"fwd_x_{tag}"] = ref.fwd_ms / r.fwd_ms if ref else math.nan
+            row[f"fwd_bwd_x_{tag}"] = ref.fwd_bwd_ms / r.fwd_bwd_ms if ref else math.nan
+        rows.append(row)
+    return rows
+
+
+COLUMNS = [  # (key, header, format)
+    ("dtype", "dtype", "{:<8}"), ("head_dim", "D", "{:>4}"), ("seq_len", "T", "{:>6}"), ("batch", "B", "{:>3}"),
+    ("variant", "variant", "{:<30}"),
+    ("fwd_ms", "fwd ms", "{:>8.3f}"), ("fwd_tflops", "TFLOP/s", "{:>8.1f}"), ("fwd_x_cudnn", "x cudnn", "{:>7.2f}"),
+    ("fwd_x_flash", "x flash", "{:>7.2f}"), ("fwd_mib", "MiB", "{:>7.0f}"),
+    ("fwd_bwd_ms", "f+b ms", "{:>8.3f}"), ("fwd_bwd_tflops", "TFLOP/s", "{:>8.1f}"),
+    ("fwd_bwd_x_cudnn", "x cudnn", "{:>7.2f}"), ("fwd_bwd_x_flash", "x flash", "{:>7.2f}"), ("fwd_bwd_mib", "MiB", "{:>7.0f}"),
+    ("note", "note", "{}"),
+]
+
+
+def _cell(fmt: str, value) -> str:
+    """value in fmt; '-' in the column's width for NaN (not measured)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _header_fmt(fmt).format("-")
+    return fmt.format(value)
+
+
+def _header_fmt(fmt: str) -> str:
+    """A number's format without its precision, for strings: '{:>8.3f}' -> '{:>8}'."""
+    return re.sub(r"\.\d+f", "", fmt)
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """The results as one fixed-width table (one line per result)."""
+    lines = [" ".join(_header_fmt(fmt).format(name) for _, name, fmt in COLUMNS).rstrip()]
+    for row in derived(results):
+        lines.append(" ".join(_cell(fmt, row[key]) for key, _, fmt in COLUMNS).rstrip())
+    return "\n".join(lines)
+
+
+def format_host(results: Sequence[HostResult]) -> str:
+    return "\n".join(["host time per call (us), no synchronisation:"] + [f"  {r.variant:<40} {r.host_us:8.1f}" for r in results])
+
+
+def write_csv(path: str, results: Sequence[Result], host: Sequence[HostResult] = ()) -> None:
+    """One CSV line per result (derived columns included), then one per host-overhead measurement."""
+    rows = derived(results) + [{"variant": h.variant, "host_us": h.host_us} for h in host]
+    keys = [f.name for f in fields(Result)] + [k for k, _, _ in COLUMNS if k not in {f.name for f in fields(Result)}]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys + ["host_us"], restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ----------------------------------------------------------------------------------------- measuring (CUDA)
+
+
+def _median_ms(fn: Callable[[], object], grads: list[torch.Tensor], timing: Timing) -> float:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=timing.warmup, rep=timing.rep, grad_to_none=grads, return_mode="median")
 
 
-def _load_seed(path: str):
-    spec = importlib.util.spec_from_file_location("seed_threshold_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _peak_extra_mib(fn: Callable[[], object], grads: list[torch.Tensor]) -> float:
+    """Peak memory above what was allocated before one call (outputs and gradients included)."""
+    for t in grads:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for t in grads:
+        t.grad = None
+    return peak / 2**20
 
 
-def _variants(seed_path: str | None) -> dict[str, Callable]:
-    """name -> f(q, k, v) returning (B, H, T, D)."""
-    variants = {
-        "sdpa (causal softmax)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "threshold p=2": lambda q, k, v: threshold_attention(q, k, v, 1.0, 2.0),
-        "threshold p=1": lambda q, k, v: threshold_attention(q, k, v, 1.0, 1.0),
-        "threshold p=1.5": lambda q, k, v: threshold_attention(q, k, v, 1.0, 1.5),
-        "differential p=2": lambda q, k, v: differential_threshold_rela_triton(q, k, q, k, v, 1.0, 0.5),
+def _measure(result: Result, fwd: Callable, fwd_bwd: Callable, grads: list[torch.Tensor], timing: Timing) -> Result:
+    try:
+        result.fwd_mib = _peak_extra_mib(fwd, grads)
+        result.fwd_ms = _median_ms(fwd, grads, timing)
+        result.fwd_bwd_mib = _peak_extra_mib(fwd_bwd, grads)
+        result.fwd_bwd_ms = _median_ms(fwd_bwd, grads, timing)
+    except Exception as err:  # e.g. an SDPA backend that does not support this case: noted in the row
+        result.note = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:80]}"
+    return result
+
+
+def _randn(*shape: int, dtype: torch.dtype, scale: float = 0.5) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=dtype) * scale
+
+
+def grid_point(dtype: torch.dtype, d: int, t: int, b: int, h: int, timing: Timing) -> list[Result]:
+    """SDPA (cuDNN, flash), the single op and the differential op at one (dtype, D, T)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lit_thresh.ops import threshold_attention
+
+    q, k, v, q2, k2 = (_randn(b, h, t, d, dtype=dtype).requires_grad_() for _ in range(5))
+    beta = torch.full((h,), 0.5, device="cuda", requires_grad=True)
+    lam = torch.full((h,), 0.3, device="cuda", requires_grad=True)
+    dout = _randn(b, h, t, d, dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    out = []
+
+    def add(variant: str, fn: Callable[[], torch.Tensor], grads: list[torch.Tensor], maps: int = 1) -> None:
+        res = Result(variant, name, d, t, b, h, maps=maps)
+        out.append(_measure(res, fn, lambda: fn().backward(dout), grads, timing))
+
+    for variant, backend in zip(SDPA_VARIANTS, (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)):
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        add(variant, sdpa, [q, k, v])
+    add("threshold p=2", lambda: threshold_attention(q, k, v, beta, 2.0), [q, k, v, beta])
+    fused = _differential_op()
+    if fused is not None:
+        add("differential fused p=2", lambda: fused(q, q2, k, k2, v, beta, lam, 2.0), [q, q2, k, k2, v, beta, lam], 2)
+    two_calls = lambda: threshold_attention(q, k, v, beta, 2.0) - lam[:, None, None] * threshold_attention(q2, k2, v, beta, 2.0)  # noqa: E731
+    add("differential 2 calls p=2", two_calls, [q, q2, k, k2, v, beta, lam], 2)
+    return out
+
+
+def _differential_op() -> Callable | None:
+    """The fused differential op, when this version of lit_thresh.ops has it."""
+    import lit_thresh.ops
+
+    return getattr(lit_thresh.ops, "differential_threshold_attention", None)
+
+
+def sparse_inputs(b: int, h: int, t: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Unit-norm q, k around one random direction per SEGMENT positions (so zeros come in tiles), and v."""
+    centres = F.normalize(torch.randn(b, h, -(-t // SEGMENT), d, device="cuda"), dim=-1)
+    centres = centres.repeat_interleave(SEGMENT, dim=2)[:, :, :t]  # (B, H, T, D)
+    q, k = (F.normalize(centres + torch.randn(b, h, t, d, device="cuda") / math.sqrt(d), dim=-1) for _ in range(2))
+    return q.to(dtype), k.to(dtype), _randn(b, h, t, d, dtype=dtype)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, beta: float, rows: torch.Tensor) -> torch.Tensor:
+    """Causal scores x = q.k - beta * gain of the given query rows of one head, -inf on future keys. (R, T)"""
+    t, d = k.shape
+    gain = torch.sqrt(2.0 * torch.log1p(rows.float()) / d)  # (R,)
+    x = q[rows].float() @ k.float().T - beta * gain[:, None]
+    return x.masked_fill(torch.arange(t, device=x.device)[None, :] > rows[:, None], -math.inf)
+
+
+def beta_for_zero_fraction(q: torch.Tensor, k: torch.Tensor, target: float) -> float:
+    """The beta at which `target` of the causal weights of head (0, 0) are zero, by bisection on sampled rows."""
+    t = q.shape[2]
+    rows = torch.arange(0, t, max(1, t // 512), device=q.device)
+    x = _scores(q[0, 0], k[0, 0], 0.0, rows)
+    gain = torch.sqrt(2.0 * torch.log1p(rows.float()) / q.shape[-1])[:, None]
+    causal = x > -math.inf
+    lo, hi = -50.0, 50.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        zero = ((x - mid * gain <= 0) & causal).sum() / causal.sum()
+        lo, hi = (lo, mid) if zero.item() >= target else (mid, hi)
+    return hi
+
+
+def zero_fractions(q: torch.Tensor, k: torch.Tensor, beta: float) -> tuple[float, float]:
+    """Measured fraction of zero causal weights, and of all-zero causal TILE x TILE tiles, over head (0, 0)."""
+    t = q.shape[2]
+    zero = causal = tiles_zero = tiles = 0
+    for r0 in range(0, t, TILE * 16):
+        rows = torch.arange(r0, min(r0 + TILE * 16, t), device=q.device)
+        x = _scores(q[0, 0], k[0, 0], beta, rows)  # (R, T)
+        live = x > 0
+        zero += (x > -math.inf).sum().item() - live.sum().item()
+        causal += (x > -math.inf).sum().item()
+        n_r, n_c = -(-len(rows) // TILE), -(-t // TILE)
+        padded = F.pad(live.float(), (0, n_c * TILE - t, 0, n_r * TILE - len(rows)))  # (n_r * TILE, n_c * TILE)
+        tile_live = padded.view(n_r, TILE, n_c, TILE).amax(dim=(1, 3)) > 0  # (n_r, n_c)
+        first = torch.arange(n_r, device=q.device)[:, None] * TILE + r0  # first row of each tile row
+        tile_causal = torch.arange(n_c, device=q.device)[None, :] * TILE <= first + TILE - 1
+        tiles += tile_causal.sum().item()
+        tiles_zero += (tile_causal & ~tile_live).sum().item()
+    return zero / causal, tiles_zero / tiles
+
+
+def sparse_rows(dtype: torch.dtype, d: int, t: int, b: int, h: int, fractions: Iterable[float], timing: Timing) -> list[Result]:
+    """The launchers with skip_zero off and on, on maps with a measured fraction of zero weights."""
+    from lit_thresh.ops.triton_launch import default_configs, triton_backward, triton_forward
+
+    q, k, v = sparse_inputs(b, h, t, d, dtype)
+    dout = _randn(b, h, t, d, dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    base = default_configs(d, dtype)
+    out = []
+    for target in fractions:
+        beta_value = beta_for_zero_fraction(q, k, target)
+        weights_zero, tiles_zero = zero_fractions(q, k, beta_value)
+        beta = torch.full((h,), beta_value, device="cuda")
+        for skip in (False, True):
+            cfgs = type(base)(*(replace(c, skip_zero=skip) for c in (base.fwd, base.bwd_dkv, base.bwd_dq)))
+            fwd = lambda cfgs=cfgs: triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)  # noqa: E731
+
+            def fwd_bwd(cfgs=cfgs):
+                triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
+                return triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs)
+
+            res = Result(f"zeros {target:.0%} skip {'on' if skip else 'off'}", name, d, t, b, h,
+                         note=f"measured: {weights_zero:.1%} of weights, {tiles_zero:.1%} of {TILE}x{TILE} tiles zero")
+            out.append(_measure(res, fwd, fwd_bwd, [], timing))
+    return out
+
+
+def host_overhead(calls: int = 2000) -> list[HostResult]:
+    """Host time per call on tiny inputs, the loop never synchronising (kernel time is far below it)."""
+    from lit_thresh.ops import threshold_attention
+
+    q, k, v = (_randn(1, 2, 128, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    beta = torch.full((2,), 0.5, device="cuda", requires_grad=True)
+    dout = _randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    cases = {
+        "threshold p=2 forward (no grad)": lambda: threshold_attention(q.detach(), k.detach(), v.detach(), 0.5, 2.0),
+        "threshold p=2 forward + backward": lambda: threshold_attention(q, k, v, beta, 2.0).backward(dout),
+        "sdpa forward (no grad)": lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True),
+        "sdpa forward + backward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout),
     }
-    if seed_path:
-        seed = _load_seed(seed_path)
-        variants["seed p=2"] = lambda q, k, v: seed.threshold_rela_triton(q, k, v, torch.tensor(1.0), 2.0)
-    return variants
+    out = []
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = time.perf_counter() - start
+        torch.cuda.synchronize()
+        out.append(HostResult(name, host / calls * 1e6))
+    return out
 
 
-def _inputs(b: int, h: int, t: int, d: int, dtype: torch.dtype):
-    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=dtype) * 0.5 for _ in range(3))
-    return [x.requires_grad_() for x in (q, k, v)], torch.randn(b, h, t, d, device="cuda", dtype=dtype)
+def _warm_point(task: tuple) -> str:
+    """Worker: run each Triton kernel the grid uses once at (1, H, 256, D) (same specialisation as any
+    T divisible by 16) so that the timing process finds it compiled in Triton's cache."""
+    from lit_thresh.ops import threshold_attention
+    from lit_thresh.ops.triton_launch import default_configs, triton_backward, triton_forward
+
+    dtype_name, d, h, sparse = task
+    dtype = DTYPES[dtype_name]
+    q, k, v, q2, k2 = (_randn(1, h, 256, d, dtype=dtype).requires_grad_() for _ in range(5))
+    beta = torch.full((h,), 0.5, device="cuda", requires_grad=True)
+    lam = torch.full((h,), 0.3, device="cuda", requires_grad=True)
+    dout = _randn(1, h, 256, d, dtype=dtype)
+    errors = []
+    runs = [lambda: threshold_attention(q, k, v, beta, 2.0).backward(dout)]
+    fused = _differential_op()
+    if fused is not None:
+        runs.append(lambda: fused(q, q2, k, k2, v, beta, lam, 2.0).backward(dout))
+    if sparse:
+        base = default_configs(d, dtype)
+        skip = type(base)(*(replace(c, skip_zero=True) for c in (base.fwd, base.bwd_dkv, base.bwd_dq)))
+        runs += [lambda: triton_forward(q, k, v, beta, 2.0, 1.0, skip),
+                 lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, skip)]
+    for run in runs:
+        try:
+            run()
+        except Exception as err:  # reported; the timing process meets it again and notes it in the table
+            errors.append(f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}")
+    torch.cuda.synchronize()
+    return "; ".join(errors)
 
 
-def run_table(b: int, h: int, seq_lens: list[int], d: int, dtype: torch.dtype, seed_path: str | None) -> None:
-    rows = []
-    for t in seq_lens:
-        (q, k, v), dout = _inputs(b, h, t, d, dtype)
-        for name, fn in _variants(seed_path).items():
-            fwd = _median_ms(lambda: fn(q, k, v), [q, k, v])
-            out = fn(q, k, v)
-            both = _median_ms(lambda: fn(q, k, v).backward(dout), [q, k, v])
-            rows.append((t, name, fwd, both))
-            del out
-    print(f"\n(B, H, D) = ({b}, {h}, {d}), {dtype}, median ms (x = time / SDPA's)")
-    print(f"{'T':>6} {'variant':<24} {'fwd ms':>8} {'x':>6} {'fwd+bwd ms':>11} {'x':>6}")
-    base = {t: (f, fb) for t, name, f, fb in rows if name.startswith("sdpa")}
-    for t, name, f, fb in rows:
-        print(f"{t:>6} {name:<24} {f:8.3f} {f / base[t][0]:6.2f} {fb:11.3f} {fb / base[t][1]:6.2f}")
+def warm_grid(dtypes: Sequence[str], head_dims: Sequence[int], heads: int, sparse: bool, workers: int) -> None:
+    """Compile the grid's kernels in parallel processes before timing (compiles are minutes in series)."""
+    tasks = [(name, d, heads, sparse) for name in dtypes for d in head_dims]
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=get_context("spawn")) as pool:
+        for task, err in zip(tasks, pool.map(_warm_point, tasks)):
+            if err:
+                print(f"warm-up {task[:2]}: {err}", flush=True)
 
 
-def sweep(b: int, h: int, t: int, d: int, dtype: torch.dtype) -> None:
-    """Time each kernel alone over block configs; print the best few per kernel."""
-    from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs, default_configs, triton_backward, triton_forward
+# -------------------------------------------------------------------------------------------------- sweep
 
-    (q, k, v), dout = _inputs(b, h, t, d, dtype)
-    beta = torch.ones(h, device="cuda")
-    default = default_configs(d, dtype)
-    tiles = {"fwd": [(128, 64), (128, 32), (64, 64), (128, 128)], "bwd_dkv": [(32, 128), (64, 64), (64, 128), (32, 64)],
-             "bwd_dq": [(128, 32), (64, 64), (128, 64), (64, 32)]}
-    for kernel in ("fwd", "bwd_dkv", "bwd_dq"):
-        results = []
-        for (m, n), w, s in itertools.product(tiles[kernel], (4, 8), (2, 3)):
-            cfg = BlockConfig(m, n, w, s)
-            configs = KernelConfigs(**{**default.__dict__, kernel: cfg})
-            if kernel == "fwd":
-                fn = lambda: triton_forward(q, k, v, beta, 2.0, 1.0, configs)  # noqa: E731
-            else:
-                fn = lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, False, configs)  # noqa: E731
-            try:
-                results.append((_median_ms(fn, []), cfg))
-            except Exception as err:  # out of shared memory or registers for this tile: skip it
-                results.append((float("inf"), f"{cfg} failed: {type(err).__name__}"))
-        results.sort(key=lambda r: r[0])
-        print(f"\n{kernel} (T={t}, D={d}, {dtype}): default {getattr(default, kernel)}")
-        for ms, cfg in results[:5]:
-            print(f"  {ms:8.3f} ms  {cfg}")
+SWEEP = {  # (block_m, block_n, num_warps, num_stages) tried per kernel with pointer and with TMA loads, plus
+    # the default, and the default with skip_zero
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
+            (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3)],
+    "bwd_dkv": [(64, 64, 4, 3), (64, 64, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+                (32, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 4), (32, 32, 4, 3), (64, 64, 4, 4), (16, 128, 4, 3)],
+    "bwd_dq": [(128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
+               (128, 32, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 8, 2)],
+}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048])
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--seed-path", help="path of the seed's triton_threshold_attention.py, to time it too")
-    parser.add_argument("--sweep", action="store_true", help="also time block configs of each kernel")
+def _sweep_call(kernel: str, cfg, q, k, v, beta, dout) -> Callable[[], object]:
+    from lit_thresh.ops.triton_launch import KernelConfigs, default_configs, triton_backward, triton_forward
+
+    configs = KernelConfigs(**{**default_configs(q.shape[-1], q.dtype).__dict__, kernel: cfg})
+    if kernel == "fwd":
+        return lambda: triton_forward(q, k, v, beta, 2.0, 1.0, configs)
+    return lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, configs)
+
+
+def _sweep_configs(kernel: str, d: int, dtype: torch.dtype) -> list:
+    from lit_thresh.ops.triton_launch import BlockConfig, default_configs
+
+    default = getattr(default_configs(d, dtype), kernel)
+    cfgs = [default, replace(default, skip_zero=True)]
+    cfgs += [BlockConfig(*c, tma=tma) for c in SWEEP[kernel] for tma in (False, True)]
+    return list(dict.fromkeys(cfgs))
+
+
+def _compile_one(task: tuple) -> str:
+    """Worker: run one config once at (1, H, T, D) so that its compiled kernel lands in Triton's cache."""
+    kernel, cfg, h, t, d, dtype_name = task
+    dtype = DTYPES[dtype_name]
+    q, k, v = (_randn(1, h, t, d, dtype=dtype) for _ in range(3))
+    try:
+        _sweep_call(kernel, cfg, q, k, v, torch.ones(h, device="cuda"), _randn(1, h, t, d, dtype=dtype))()
+        torch.cuda.synchronize()
+        return ""
+    except Exception as err:  # out of shared memory or registers for this tile
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''}"
+
+
+def sweep(dtype: torch.dtype, d: int, t: int, b: int, h: int, timing: Timing, workers: int) -> list[Result]:
+    """Time each kernel over SWEEP's configs (the other kernels at their defaults); prints every config tried."""
+    name = str(dtype).removeprefix("torch.")
+    tasks = [(kernel, cfg, h, t, d, name) for kernel in SWEEP for cfg in _sweep_configs(kernel, d, dtype)]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:  # compile in parallel
+        errors = dict(zip([(kn, c) for kn, c, *_ in tasks], pool.map(_compile_one, tasks)))
+    q, k, v = (_randn(b, h, t, d, dtype=dtype) for _ in range(3))
+    beta, dout = torch.ones(h, device="cuda"), _randn(b, h, t, d, dtype=dtype)
+    out = []
+    for kernel in SWEEP:
+        timed = []
+        for i, cfg in enumerate(_sweep_configs(kernel, d, dtype)):
+            label = f"{kernel} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            label += (" tma" if cfg.tma else "") + (" skip" if cfg.skip_zero else "")
+            res = Result(label, name, d, t, b, h, note=("default " if i == 0 else "") + errors[(kernel, cfg)])
+            if not errors[(kernel, cfg)]:
+                try:
+                    ms = _median_ms(_sweep_call(kernel, cfg, q, k, v, beta, dout), [], timing)
+                    if kernel == "fwd":
+                        res.fwd_ms = ms
+                    else:
+                        res.fwd_bwd_ms = ms  # the whole backward, this kernel at cfg
+                except Exception as err:
+                    res.note += f"{type(err).__name__}"
+            timed.append(res)
+        out += sorted(timed, key=lambda r: _finite_or_inf(r.fwd_ms if kernel == "fwd" else r.fwd_bwd_ms))
+    return out
+
+
+def _finite_or_inf(x: float) -> float:
+    return x if math.isfinite(x) else math.inf
+
+
+def format_sweep(results: Sequence[Result]) -> str:
+    lines = ["sweep: ms of the forward (fwd) or of the whole backward (bwd_*; the other backward kernel at its default)"]
+    for r in results:
+        ms = r.fwd_ms if r.variant.startswith("fwd") else r.fwd_bwd_ms
+        lines.append(f"  {r.dtype:<8} D={r.head_dim:<4} T={r.seq_len:<6} {r.variant:<32} {_cell('{:>8.3f}', ms)}  {r.note}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_thresh.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--head-dims", type=_positive_int, nargs="+", default=[64, 128])
+    parser.add_argument("--seq-lens", type=_positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--dtypes", choices=sorted(DTYPES), nargs="+", default=["bfloat16", "float16"])
+    parser.add_argument("--tokens", type=_positive_int, default=16384, help="B * T at every grid point")
+    parser.add_argument("--heads", type=_positive_int, default=16)
+    parser.add_argument("--zero-fractions", type=float, nargs="*", default=[0.5, 0.9, 0.99],
+                        help="fractions of zero weights for the skip_zero rows (none: no such rows)")
+    parser.add_argument("--quick", action="store_true", help="shorter timing; sparse rows at the longest T only")
+    parser.add_argument("--sweep", action="store_true", help="first time block configs of each kernel")
+    parser.add_argument("--no-table", action="store_true", help="skip the grid table (with --sweep: sweep only)")
+    parser.add_argument("--no-host", action="store_true", help="skip the host-overhead measurement")
+    parser.add_argument("--workers", type=_positive_int, default=min(16, os.cpu_count() or 1),
+                        help="processes compiling sweep configs in parallel")
+    parser.add_argument("--csv", metavar="PATH", help="also write the results as CSV")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    for t in args.seq_lens:
+        if t > args.tokens or args.tokens % t:
+            parser.error(f"--seq-lens: each T must divide --tokens ({args.tokens}), got {t}")
+    for d in args.head_dims:
+        if d > 256:
+            parser.error(f"--head-dims: each D must be in [1, 256], got {d}")
+    if any(not 0.0 < f < 1.0 for f in args.zero_fractions):
+        parser.error(f"--zero-fractions: each must be in (0, 1), got {args.zero_fractions}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
-        parser.error("the benchmark needs a CUDA device")
-    dtype = DTYPES[args.dtype]
-    if args.sweep:
-        sweep(args.batch, args.heads, args.seq_lens[0], args.head_dim, dtype)
-    run_table(args.batch, args.heads, args.seq_lens, args.head_dim, dtype, args.seed_path)
+        build_parser().error("the benchmark needs a CUDA device (torch.cuda.is_available() is False)")
+    timing = Timing(10, 40) if args.quick else Timing()
+    if not args.no_table:
+        warm_grid(args.dtypes, args.head_dims, args.heads, bool(args.zero_fractions), args.workers)
+    results: list[Result] = []
+    for name in args.dtypes:
+        for d in args.head_dims:
+            for t in args.seq_lens:
+                b = args.tokens // t
+                if args.sweep:
+                    swept = sweep(DTYPES[name], d, t, b, args.heads, timing, args.workers)
+                    print(format_sweep(swept), flush=True)
+                    results += swept
+                if args.no_table:
+                    continue
+                point = grid_point(DTYPES[name], d, t, b, args.heads, timing)
+                if args.zero_fractions and (not args.quick or t == max(args.seq_lens)):
+                    point += sparse_rows(DTYPES[name], d, t, b, args.heads, args.zero_fractions, timing)
+                print(format_table(point).split("\n", 1)[1], flush=True)  # progress, without the header
+                results += point
+    host = [] if args.no_host else host_overhead()
+    if not args.no_table:
+        print(f"\nH = {args.heads}, B * T = {args.tokens}, causal; x cudnn / x flash = SDPA time / this row's time")
+        print(format_table([r for r in results if not r.variant.startswith(("fwd ", "bwd_"))]))
+    if host:
+        print(format_host(host))
+    if args.csv:
+        write_csv(args.csv, results, host)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Public threshold attention functions: argument checks, then the autograd.Function."""
+"""The public threshold attention function: argument checks, then the custom op (function.py)."""
 
 from __future__ import annotations
 
@@ -6,21 +6,21 @@ import math
 import numbers
 
 import torch
-import torch.nn.functional as F
 
-from lit_thresh.ops.function import Backend, ThresholdAttentionFunction, resolve_backend
+from lit_thresh.ops.backend import Backend, resolve_backend
+from lit_thresh.ops.differential_function import differential_threshold_attention_op
+from lit_thresh.ops.function import threshold_attention_apply
 
 MAX_HEAD_DIM = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_power(power: float | torch.Tensor, name: str) -> float:
-    if isinstance(power, torch.Tensor):
-        if power.numel() != 1:
-            raise ValueError(f"{name} must be a single number, got a tensor of shape {tuple(power.shape)}")
-        power = power.item()
+def check_power(power: float, name: str) -> float:
+    """power as a float; a tensor is refused (reading it would sync with the device)."""
+    if type(power) is float and 0.0 < power < math.inf:  # the common case, cheaply
+        return power
     if isinstance(power, bool) or not isinstance(power, numbers.Real):
-        raise TypeError(f"{name} must be a float > 0, got {type(power).__name__}")
+        raise TypeError(f"{name} must be a float > 0 (not a tensor), got {type(power).__name__}")
     power = float(power)
     if not math.isfinite(power) or power <= 0:
         raise ValueError(f"{name} must be a finite float > 0, got {power}")
@@ -57,20 +57,24 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} head dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
 
 
-def _beta_per_head(beta: float | torch.Tensor, heads: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """beta as a contiguous (Hq,) tensor, float32 (float64 for float64 q); autograd carries the
-    gradient back to beta's own shape and dtype."""
+def _beta_per_head(
+    beta: float | torch.Tensor, heads: int, device: torch.device, dtype: torch.dtype, name: str = "beta"
+) -> torch.Tensor:
+    """beta (or another per-head scalar, called `name` in errors) as a contiguous (Hq,) tensor, float32
+    (float64 for float64 q); autograd carries the gradient back to beta's own shape and dtype."""
     dtype = torch.float64 if dtype == torch.float64 else torch.float32
     if isinstance(beta, torch.Tensor):
         if beta.dim() > 1 or beta.numel() not in (1, heads):
-            raise ValueError(f"beta must be a float, a 0-d tensor or a ({heads},) tensor (one per head), got shape {tuple(beta.shape)}")
+            raise ValueError(f"{name} must be a float, a 0-d tensor or a ({heads},) tensor (one per head), got shape {tuple(beta.shape)}")
         if not beta.is_floating_point():
-            raise TypeError(f"beta must be a floating-point tensor, got {beta.dtype}")
+            raise TypeError(f"{name} must be a floating-point tensor, got {beta.dtype}")
         if beta.device != device:
-            raise ValueError(f"beta must be on the device of q ({device}), got {beta.device}")
+            raise ValueError(f"{name} must be on the device of q ({device}), got {beta.device}")
+        if beta.shape == (heads,) and beta.dtype == dtype and beta.is_contiguous():  # a model's (H,) parameter: as it is
+            return beta
         return beta.to(dtype).reshape(-1).expand(heads).contiguous()
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta):
-        raise TypeError(f"beta must be a finite float or a tensor, got {beta!r}")
+        raise TypeError(f"{name} must be a finite float or a tensor, got {beta!r}")
     return torch.full((heads,), float(beta), device=device, dtype=dtype)
 
 
@@ -98,64 +102,68 @@ def threshold_attention(
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     _check_qkv(q, k, v)
-    power = _check_power(power, "power")
+    power = check_power(power, "power")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float, got {scale!r}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     beta_h = _beta_per_head(beta, q.shape[1], q.device, q.dtype)  # (Hq,)
-    if q.numel() == 0:  # an empty batch or no queries
-        return q.new_zeros(*q.shape[:3], v.shape[-1])
-    return ThresholdAttentionFunction.apply(q, k, v, beta_h, power, float(scale), resolve_backend(backend, q))
+    return threshold_attention_apply(q, k, v, beta_h, power, float(scale), resolve_backend(backend, q))
 
 
-def threshold_rela_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: float | torch.Tensor,
-    relu_power: float = 2.0,
-) -> torch.Tensor:
-    """Seed-compatible name: ReLU(Q K^T - tau)^p V, causal. See threshold_attention."""
-    return threshold_attention(q, k, v, beta, _check_power(relu_power, "relu_power"))
+def _check_same(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:
+    """a and b are 4-d tensors of one shape, dtype and device (the two halves of a differential op)."""
+    for name, t in ((name_a, a), (name_b, b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
+    if a.shape != b.shape:
+        raise ValueError(f"{name_b} must have the shape of {name_a} {tuple(a.shape)}, got {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name_b} must have the dtype of {name_a} ({a.dtype}), got {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{name_b} must be on the device of {name_a} ({a.device}), got {b.device}")
 
 
-def differential_threshold_rela_triton(
+def differential_threshold_attention(
     q1: torch.Tensor,
     q2: torch.Tensor,
     k1: torch.Tensor,
     k2: torch.Tensor,
     v: torch.Tensor,
     beta: float | torch.Tensor,
-    lambda_param: float | torch.Tensor,
-    relu_power: float = 2.0,
-    normalize: bool = True,
+    lam: float | torch.Tensor,
+    power: float = 2.0,
+    *,
+    scale: float = 1.0,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
-    """Seed-compatible differential form: A1 V - clamp(lambda, 0, 1) * A2 V.
+    """Fused causal differential threshold attention: (ReLU(x1)^p - lam_h ReLU(x2)^p) V in one op,
+    x_m = scale q_m k_m^T - tau (m = 1, 2), both maps sharing beta (so tau) and v; lam is not clamped.
 
-    q1, q2: (B, Hq, Tq, D); k1, k2: (B, Hkv, Tk, D); v: (B, Hkv, Tk, Dv). With normalize, q and k
-    are L2-normalised over the head dim first. lambda_param: float, 0-d or (Hq,) tensor; it gets
-    a gradient when it requires grad.
+    q1, q2: (B, Hq, Tq, D); k1, k2: (B, Hkv, Tk, D); v: (B, Hkv, Tk, Dv); other conventions (strides,
+    GQA, Tq <= Tk, D and Dv <= 256, power, backend, autocast) as in threshold_attention. beta and lam:
+    each a float, a 0-d tensor or (Hq,), with gradients when they require grad.
+    Returns (B, Hq, Tq, Dv) in the input dtype; equals threshold_attention(q1, k1, v, beta, power) -
+    lam * threshold_attention(q2, k2, v, beta, power) at one pass over v.
     """
-    power = _check_power(relu_power, "relu_power")
-    lam = _lambda_per_head(lambda_param, q1.shape[1] if isinstance(q1, torch.Tensor) else 0)
-    if normalize:
-        q1, q2, k1, k2 = (F.normalize(t, p=2.0, dim=-1) for t in (q1, q2, k1, k2))
-    out1 = threshold_attention(q1, k1, v, beta, power)  # (B, Hq, Tq, Dv)
-    out2 = threshold_attention(q2, k2, v, beta, power)  # (B, Hq, Tq, Dv)
-    if isinstance(lam, torch.Tensor):
-        lam = lam.to(device=out1.device, dtype=out1.dtype)
-    return out1 - lam * out2
-
-
-def _lambda_per_head(lambda_param: float | torch.Tensor, heads: int) -> float | torch.Tensor:
-    """clamp(lambda, 0, 1) as a float or a (1|Hq, 1, 1) tensor (a float stays on the host: no copy, no sync)."""
-    if isinstance(lambda_param, torch.Tensor):
-        if lambda_param.dim() > 1 or lambda_param.numel() not in (1, heads):
-            raise ValueError(
-                f"lambda_param must be a float, a 0-d tensor or a ({heads},) tensor, got shape {tuple(lambda_param.shape)}"
-            )
-        return lambda_param.clamp(0.0, 1.0).reshape(-1, 1, 1)
-    if isinstance(lambda_param, bool) or not isinstance(lambda_param, numbers.Real) or not math.isfinite(lambda_param):
-        raise TypeError(f"lambda_param must be a finite float or a tensor, got {lambda_param!r}")
-    return min(max(float(lambda_param), 0.0), 1.0)
+    if isinstance(q1, torch.Tensor) and torch.is_autocast_enabled(q1.device.type):
+        dtype = torch.get_autocast_dtype(q1.device.type)
+        q1, q2, k1, k2, v = (
+            t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q1, q2, k1, k2, v)
+        )
+    _check_same(q1, q2, "q1", "q2")
+    _check_same(k1, k2, "k1", "k2")
+    _check_qkv(q1, k1, v)
+    power = check_power(power, "power")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float, got {scale!r}")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    heads = q1.shape[1]
+    beta_h = _beta_per_head(beta, heads, q1.device, q1.dtype)  # (Hq,)
+    lam_h = _beta_per_head(lam, heads, q1.device, q1.dtype, name="lam")  # (Hq,)
+    return differential_threshold_attention_op(
+        q1, q2, k1, k2, v, beta_h, lam_h, power, float(scale), resolve_backend(backend, q1)
+    )

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from lit_thresh.ops.reference import rectified_power, threshold_gain, threshold_positions
-
 QUERY_BLOCK = 128
 
 
@@ -18,9 +16,16 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _rectified_power(x: torch.Tensor, power: float) -> torch.Tensor:
+    """ReLU(x)^p: exactly 0 where x <= 0, NaN where x is NaN (as ReLU(NaN) = NaN)."""
+    dead = x <= 0  # False for NaN
+    return torch.where(dead, 0.0, torch.where(dead, 1.0, x) ** power)
+
+
 def _rectified_power_grad(x: torch.Tensor, power: float) -> torch.Tensor:
-    """d/dx ReLU(x)^p = p * x^(p-1) for x > 0, else 0 (any p > 0)."""
-    return power * rectified_power(x, power - 1.0)
+    """d/dx ReLU(x)^p = p * x^(p-1) for x > 0, 0 for x <= 0; for NaN x, NaN (p = 1: 1, as torch.relu)."""
+    dead = x <= 0  # False for NaN
+    return torch.where(dead, 0.0, power * torch.where(dead, 1.0, x) ** (power - 1.0))
 
 
 class _Blocks:
@@ -34,8 +39,8 @@ class _Blocks:
         self.q = q.unflatten(1, (hkv, hq // hkv)).to(acc)  # (B, Hkv, G, Tq, D)
         self.k = k.unsqueeze(2).to(acc)  # (B, Hkv, 1, Tk, D)
         self.v = v.unsqueeze(2).to(acc)  # (B, Hkv, 1, Tk, Dv)
-        self.pos = threshold_positions(tq, tk, q.device)  # (Tq,)
-        self.gain = threshold_gain(self.pos, d, acc)  # (Tq,)
+        self.pos = torch.arange(tk - tq, tk, device=q.device)  # (Tq,) absolute query positions
+        self.gain = torch.sqrt(2.0 * torch.log1p(self.pos.to(acc)) / d)  # (Tq,) tau = beta * gain
         self.beta = beta.to(acc).view(hkv, hq // hkv, 1, 1)  # (Hkv, G, 1, 1)
         self.keys = torch.arange(tk, device=q.device)  # (Tk,)
 
@@ -59,7 +64,7 @@ def chunked_forward(
     blk = _Blocks(q, k, v, beta, scale)
     out = q.new_empty(*blk.q.shape[:-1], v.shape[-1], dtype=blk.q.dtype)  # (B, Hkv, G, Tq, Dv)
     for m0, m1, hi in blk.ranges():
-        p = rectified_power(blk.shifted_scores(m0, m1, hi), power)  # (B, Hkv, G, c, hi)
+        p = _rectified_power(blk.shifted_scores(m0, m1, hi), power)  # (B, Hkv, G, c, hi)
         out[..., m0:m1, :] = p @ blk.v[..., :hi, :]
     return out.flatten(1, 2).to(q.dtype)
 
@@ -77,21 +82,22 @@ def chunked_backward(
     """Gradients (dq, dk, dv, dbeta) in the dtypes of (q, k, v, beta); dbeta is None unless asked."""
     blk = _Blocks(q, k, v, beta, scale)
     do = dout.unflatten(1, blk.q.shape[1:3]).to(blk.q.dtype)  # (B, Hkv, G, Tq, Dv)
-    dq = torch.empty_like(blk.q)  # (B, Hkv, G, Tq, D)
-    dk = torch.zeros_like(blk.k[:, :, 0])  # (B, Hkv, Tk, D)
-    dv = torch.zeros_like(blk.v[:, :, 0])  # (B, Hkv, Tk, Dv)
+    dq = torch.empty_like(q, dtype=blk.q.dtype)  # (B, Hq, Tq, D), laid out as q (as are dk and dv)
+    dq_groups = dq.unflatten(1, blk.q.shape[1:3])  # (B, Hkv, G, Tq, D) view
+    dk = torch.zeros_like(k, dtype=blk.q.dtype)  # (B, Hkv, Tk, D)
+    dv = torch.zeros_like(v, dtype=blk.q.dtype)  # (B, Hkv, Tk, Dv)
     dbeta = torch.zeros_like(blk.beta[..., 0, 0])  # (Hkv, G)
     for m0, m1, hi in blk.ranges():
         x = blk.shifted_scores(m0, m1, hi)  # (B, Hkv, G, c, hi)
         do_c = do[..., m0:m1, :]  # (B, Hkv, G, c, Dv)
         ds = (do_c @ blk.v[..., :hi, :].transpose(-1, -2)) * _rectified_power_grad(x, power)
-        dq[..., m0:m1, :] = scale * (ds @ blk.k[..., :hi, :])
+        dq_groups[..., m0:m1, :] = scale * (ds @ blk.k[..., :hi, :])
         dk[:, :, :hi] += scale * (ds.transpose(-1, -2) @ blk.q[..., m0:m1, :]).sum(2)
-        dv[:, :, :hi] += (rectified_power(x, power).transpose(-1, -2) @ do_c).sum(2)
+        dv[:, :, :hi] += (_rectified_power(x, power).transpose(-1, -2) @ do_c).sum(2)
         if need_dbeta:
             dbeta -= (ds.sum(-1) * blk.gain[m0:m1]).sum((0, 3))
     return (
-        dq.flatten(1, 2).to(q.dtype),
+        dq.to(q.dtype),
         dk.to(k.dtype),
         dv.to(v.dtype),
         dbeta.flatten().to(beta.dtype) if need_dbeta else None,

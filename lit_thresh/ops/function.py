@@ -1,71 +1,124 @@
-"""The autograd.Function of threshold attention and the choice of backend under it."""
+"""Threshold attention as two torch.library custom ops (forward, backward) joined by register_autograd.
+
+Why `custom_op` rather than `triton_op` + `wrap_triton`: one op serves both backends (the Triton kernels
+and the blockwise PyTorch loop of chunked.py), and torch.compile sees it as one opaque node with a fake
+impl, so it neither retraces the Python block loop nor the kernels' launch logic; both backends behave
+the same under compile, export and CUDA graphs. Only q, k, v and beta are saved; backward recomputes.
+Eager calls on plain tensors run the same two functions through an autograd.Function instead
+(`threshold_attention_apply`): the op's Python dispatch would cost several times more host time per call.
+"""
 
 from __future__ import annotations
-
-import os
-from typing import Literal
 
 import torch
 
 from lit_thresh.ops.chunked import chunked_backward, chunked_forward
 
-Backend = Literal["auto", "triton", "torch"]
 
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def triton_interpreting() -> bool:
-    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def resolve_backend(backend: Backend, q: torch.Tensor) -> Literal["triton", "torch"]:
-    """'auto': Triton for CUDA (or, under TRITON_INTERPRET=1, CPU) tensors of a Triton dtype; else torch."""
-    triton_device = q.is_cuda or (q.device.type == "cpu" and triton_interpreting())
-    if backend == "auto":
-        return "triton" if triton_device and q.dtype in TRITON_DTYPES else "torch"
+def _output_like(q: torch.Tensor, dv: int, backend: str) -> torch.Tensor:
+    """An empty (B, Hq, Tq, Dv) output laid out as the backend writes it."""
+    b, hq, tq, _ = q.shape
     if backend == "triton":
-        if not triton_device:
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); got device {q.device}"
-            )
-        if q.dtype not in TRITON_DTYPES:
-            raise TypeError(f"backend='triton' supports float16, bfloat16 and float32; got {q.dtype}")
-    return backend
+        from lit_thresh.ops.triton_launch import _empty_like_layout
+
+        return _empty_like_layout(q, (b, hq, tq, dv))
+    return q.new_empty(b, hq, tq, dv)
 
 
-class ThresholdAttentionFunction(torch.autograd.Function):
-    """Causal threshold attention; saves only q, k, v and beta and recomputes scores in backward."""
+def _forward(
+    q: torch.Tensor,  # (B, Hq, Tq, D)
+    k: torch.Tensor,  # (B, Hkv, Tk, D)
+    v: torch.Tensor,  # (B, Hkv, Tk, Dv)
+    beta: torch.Tensor,  # (Hq,) float32 (float64 for float64 inputs)
+    power: float,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Forward on checked inputs (see api.threshold_attention); backend: 'triton' or 'torch'."""
+    if q.numel() == 0:
+        return _output_like(q, v.shape[-1], backend).zero_()
+    if backend == "triton":
+        from lit_thresh.ops.triton_launch import triton_forward
+
+        return triton_forward(q, k, v, beta, power, scale)
+    return chunked_forward(q, k, v, beta, power, scale)  # (B, Hq, Tq, Dv)
+
+
+def _backward(
+    dout: torch.Tensor,  # (B, Hq, Tq, Dv)
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    power: float,
+    scale: float,
+    backend: str,
+    need_dbeta: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbeta) laid out as torch.empty_like(q, k, v, beta); dbeta is zeros unless need_dbeta."""
+    if q.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(beta)
+    if backend == "triton":
+        from lit_thresh.ops.triton_launch import triton_backward
+
+        dq, dk, dv, dbeta = triton_backward(q, k, v, beta, power, scale, dout, need_dbeta)
+    else:
+        dq, dk, dv, dbeta = chunked_backward(q, k, v, beta, power, scale, dout, need_dbeta)
+    return dq, dk, dv, dbeta if need_dbeta else torch.zeros_like(beta)
+
+
+threshold_attention_op = torch.library.custom_op("lit_thresh::threshold_attention", _forward, mutates_args=())
+threshold_attention_backward_op = torch.library.custom_op(
+    "lit_thresh::threshold_attention_backward", _backward, mutates_args=()
+)
+
+
+@threshold_attention_op.register_fake
+def _(q, k, v, beta, power, scale, backend):
+    return _output_like(q, v.shape[-1], backend)
+
+
+@threshold_attention_backward_op.register_fake
+def _(dout, q, k, v, beta, power, scale, backend, need_dbeta):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, beta, power, scale, backend = inputs
+    ctx.save_for_backward(q, k, v, beta)
+    ctx.power, ctx.scale, ctx.backend = power, scale, backend
+
+
+def _grads(ctx, dout: torch.Tensor, backward=threshold_attention_backward_op):
+    q, k, v, beta = ctx.saved_tensors
+    need_dbeta = ctx.needs_input_grad[3]
+    dq, dk, dv, dbeta = backward(dout, q, k, v, beta, ctx.power, ctx.scale, ctx.backend, need_dbeta)
+    return dq, dk, dv, dbeta if need_dbeta else None, None, None, None
+
+
+threshold_attention_op.register_autograd(_grads, setup_context=_setup_context)
+
+
+class _EagerThresholdAttention(torch.autograd.Function):
+    """The same forward and backward for eager calls: an autograd.Function costs less host time per
+    call than the custom op's dispatch (Python autograd and schema handling)."""
 
     @staticmethod
-    def forward(
-        ctx,
-        q: torch.Tensor,  # (B, Hq, Tq, D)
-        k: torch.Tensor,  # (B, Hkv, Tk, D)
-        v: torch.Tensor,  # (B, Hkv, Tk, Dv)
-        beta: torch.Tensor,  # (Hq,) float32 (float64 for float64 inputs)
-        power: float,
-        scale: float,
-        backend: Literal["triton", "torch"],
-    ) -> torch.Tensor:
-        if backend == "triton":
-            from lit_thresh.ops.triton_launch import triton_forward
-
-            out = triton_forward(q, k, v, beta, power, scale)
-        else:
-            out = chunked_forward(q, k, v, beta, power, scale)
-        ctx.save_for_backward(q, k, v, beta)
-        ctx.power, ctx.scale, ctx.backend = power, scale, backend
-        return out  # (B, Hq, Tq, Dv)
+    def forward(ctx, *inputs) -> torch.Tensor:  # not setup_context: Function.apply would inspect.signature
+        out = _forward(*inputs)
+        _setup_context(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, beta = ctx.saved_tensors
-        need_dbeta = ctx.needs_input_grad[3]
-        if ctx.backend == "triton":
-            from lit_thresh.ops.triton_launch import triton_backward
+        return _grads(ctx, dout, _backward)
 
-            grads = triton_backward(q, k, v, beta, ctx.power, ctx.scale, dout, need_dbeta)
-        else:
-            grads = chunked_backward(q, k, v, beta, ctx.power, ctx.scale, dout, need_dbeta)
-        return *grads, None, None, None
+
+def threshold_attention_apply(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float, scale: float, backend: str
+) -> torch.Tensor:
+    """The op on checked inputs: the custom op while tracing (torch.compile, export, fake tensors),
+    else the same code as an autograd.Function."""
+    if type(q) is torch.Tensor and not torch.compiler.is_compiling():
+        return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend)
+    return threshold_attention_op(q, k, v, beta, power, scale, backend)

@@ -24,10 +24,11 @@ def threshold_gain(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -
 
 
 def rectified_power(x: torch.Tensor, power: float) -> torch.Tensor:
-    """ReLU(x)^p, exactly 0 where x <= 0, with a finite gradient everywhere (also for p < 1)."""
-    positive = x > 0
-    safe = torch.where(positive, x, torch.ones_like(x))
-    return torch.where(positive, safe**power, torch.zeros_like(x))
+    """ReLU(x)^p: exactly 0 where x <= 0, NaN where x is NaN (as ReLU(NaN) = NaN); the gradient is
+    finite wherever x is (also for p < 1)."""
+    dead = x <= 0  # False for NaN
+    safe = torch.where(dead, torch.ones_like(x), x)
+    return torch.where(dead, torch.zeros_like(x), safe**power)
 
 
 def threshold_attention_weights(

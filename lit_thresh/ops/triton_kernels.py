@@ -8,6 +8,11 @@ Key blocks above the diagonal are never visited; blocks wholly below it run with
 only the diagonal blocks pay for it. Accumulation is fp32; the P and dS tiles go into the tensor-core
 dot in the input dtype. For fp16, rows of those tiles are first scaled by a power of two into fp16's
 range (ReLU(x)^p can exceed 65504 where the output is still finite), and the product scaled back in fp32.
+
+NaN in q, k or beta gives NaN, as ReLU(NaN) = NaN in the math; keys past a query's position are set to
+x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a tile whose
+scores are all <= 0 (P exactly 0, no NaN) skips its products after the score product. With USE_TMA, the
+input tiles come through TMA tensor descriptors (zero-filled out of bounds) instead of masked pointer loads.
 """
 
 import triton
@@ -39,6 +44,30 @@ def _store_tile(ptrs, value, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexp
 
 
 @triton.jit
+def _seq_tile(src, b, h, start, stride_t, stride_d, n_rows, n_cols: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [start, start + BLOCK_R) x columns [0, BLOCK_C) of one (batch b, head h) of a (B, H, T, D)
+    tensor, zero past n_rows / n_cols: through the tensor descriptor src (USE_TMA; it zero-fills out of
+    bounds), else from src, a pointer to that (batch, head), with masks where asked (CHECK_ROWS)."""
+    if USE_TMA:
+        return src.load([b.to(tl.int32), h.to(tl.int32), start, 0]).reshape(BLOCK_R, BLOCK_C)
+    else:
+        rows = start + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_C)
+        return _load_tile(src + rows[:, None] * stride_t + cols[None, :] * stride_d, rows, n_rows, cols, n_cols,
+                          CHECK_ROWS, BLOCK_C != n_cols)
+
+
+@triton.jit
+def _head_src(src, b, h, stride_b, stride_h, USE_TMA: tl.constexpr):
+    """What _seq_tile reads (batch b, head h) from: the descriptor itself, or the pointer to that head."""
+    if USE_TMA:
+        return src
+    else:
+        return src + b * stride_b + h * stride_h
+
+
+@triton.jit
 def _as_fp32(x):
     """A float scalar argument in fp32: torch.compile passes Python floats to user kernels as fp64."""
     return tl.cast(x, tl.float32)
@@ -52,24 +81,31 @@ def _gain(pos, gain_coef):
 
 @triton.jit
 def _rectify(x, power, POWER_MODE: tl.constexpr):
-    """ReLU(x)^p. POWER_MODE 1: p = 1, 2: p = 2, 0: any p > 0 (exp2(p log2 x), no bias)."""
+    """ReLU(x)^p, NaN where x is NaN (the `x <= 0` test is False for NaN; tl.maximum would drop it).
+    POWER_MODE 1: p = 1, 2: p = 2, 0: any p > 0 (exp2(p log2 x), no bias)."""
     if POWER_MODE == 1:
-        return tl.maximum(x, 0.0)
+        return tl.where(x <= 0.0, 0.0, x)
     elif POWER_MODE == 2:
-        return tl.maximum(x, 0.0) * tl.maximum(x, 0.0)
+        return tl.where(x <= 0.0, 0.0, x * x)
     else:
-        return tl.where(x > 0.0, tl.exp2(power * tl.log2(tl.maximum(x, 1e-30))), 0.0)
+        return tl.where(x <= 0.0, 0.0, tl.exp2(power * tl.log2(x)))
 
 
 @triton.jit
 def _rectify_grad(x, p_val, power, POWER_MODE: tl.constexpr):
-    """d ReLU(x)^p / dx = p x^(p-1) for x > 0, else 0, given p_val = ReLU(x)^p."""
+    """d ReLU(x)^p / dx = p x^(p-1) for x > 0, 0 for x <= 0, NaN for NaN x; given p_val = ReLU(x)^p."""
     if POWER_MODE == 1:
-        return tl.where(x > 0.0, 1.0, 0.0)
+        return tl.where(x <= 0.0, 0.0, tl.where(x == x, 1.0, x))
     elif POWER_MODE == 2:
-        return 2.0 * tl.maximum(x, 0.0)
+        return tl.where(x <= 0.0, 0.0, 2.0 * x)
     else:
-        return tl.where(x > 0.0, power * p_val / tl.maximum(x, 1e-30), 0.0)
+        return tl.where(x <= 0.0, 0.0, power * p_val / x)
+
+
+@triton.jit
+def _any_live(x):
+    """True when some score of the tile is > 0 or NaN, i.e. its rectified tile is not all exact zeros."""
+    return tl.max(tl.where(x <= 0.0, 0, 1)) > 0
 
 
 @triton.jit
@@ -87,32 +123,33 @@ def _dot_acc(a, b, acc, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAS
     """acc + a @ b with the fp32 tile a cast to b's dtype (kept in fp16's range when FP16_RANGE)."""
     if FP16_RANGE:
         amax = tl.max(tl.abs(a), axis=1)  # (M,)
-        row_scale = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0))) - FP16_TILE_EXP, 0.0))  # (M,) powers of two
-        prod = _mma((a / row_scale[:, None]).to(b.dtype), b, None, PRECISION, UPCAST)
-        return acc + row_scale[:, None] * prod
+        row_exp = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0))) - FP16_TILE_EXP, 0.0)  # (M,)
+        prod = _mma((a * tl.exp2(-row_exp)[:, None]).to(b.dtype), b, None, PRECISION, UPCAST)  # exact power-of-2 scaling
+        return acc + tl.exp2(row_exp)[:, None] * prod
     else:
         return _mma(a.to(b.dtype), b, acc, PRECISION, UPCAST)
 
 
 @triton.jit
 def _fwd_inner(
-    acc, q, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    acc, q, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
     TK, scale, power, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd
-        k = _load_tile(k_ptrs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        v = _load_tile(v_ptrs, offs_n, TK, offs_dv, DV, CAUSAL_MASK, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+        k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
+        v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
         x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
         if CAUSAL_MASK:
             x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
-        acc = _dot_acc(_rectify(x, power, POWER_MODE), v, acc, FP16_RANGE, PRECISION, UPCAST)
+        if SKIP_ZERO:
+            if _any_live(x):
+                acc = _dot_acc(_rectify(x, power, POWER_MODE), v, acc, FP16_RANGE, PRECISION, UPCAST)
+        else:
+            acc = _dot_acc(_rectify(x, power, POWER_MODE), v, acc, FP16_RANGE, PRECISION, UPCAST)
     return acc
 
 
@@ -127,8 +164,11 @@ def threshold_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
-    """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
+    SKIP_ZERO: skip the PV product of key tiles whose rectified scores are all exactly 0.
+    USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors, not pointers."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
@@ -138,55 +178,63 @@ def threshold_fwd_kernel(
     past = TK - TQ
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
-    q = _load_tile(q_ptrs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    q = _seq_tile(_head_src(Q, b, h, stride_qb, stride_qh, USE_TMA), b, h, pid_m * BLOCK_M, stride_qt, stride_qd,
+                  TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
     pos = offs_m + past  # absolute positions (BLOCK_M,)
     tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
 
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_src = _head_src(K, b, hk, stride_kb, stride_kh, USE_TMA)
+    v_src = _head_src(V, b, hk, stride_vb, stride_vh, USE_TMA)
     first_row = past + pid_m * BLOCK_M
     n_full = (first_row + 1) // BLOCK_N * BLOCK_N  # keys [0, n_full) are visible to every row
     n_end = tl.minimum(first_row + BLOCK_M, TK)  # no row sees a key at or past n_end
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    acc = _fwd_inner(acc, q, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    acc = _fwd_inner(acc, q, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
                      TK, scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                     False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
-    acc = _fwd_inner(acc, q, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                     False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+    acc = _fwd_inner(acc, q, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
                      TK, scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                     True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+                     True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
 
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od
     _store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, TQ, offs_dv, DV, DV != BLOCK_DV)
 
 
 @triton.jit
+def _bwd_dkv_update(dk, dv, x_t, q, do, v, power,
+                    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """dK, dV accumulators after one (key tile, query tile) pair with transposed scores x_t (BLOCK_N, BLOCK_M)."""
+    p_t = _rectify(x_t, power, POWER_MODE)
+    dv = _dot_acc(p_t, do, dv, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
+    dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
+    ds_t = dp_t * _rectify_grad(x_t, p_t, power, POWER_MODE)
+    dk = _dot_acc(ds_t, q, dk, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkv_inner(
-    dk, dv, k, v, offs_n, q_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+    dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
     beta, past, TQ, scale, power, gain_coef, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                       offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
-        do = _load_tile(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
-                        offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+        q = _seq_tile(q_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+        do = _seq_tile(do_src, b, h, start_m, stride_dot, stride_dod, TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
         pos = offs_m + past
         tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
         x_t = _mma(k, tl.trans(q), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
         if CAUSAL_MASK:
             x_t = tl.where(offs_n[:, None] <= pos[None, :], x_t, 0.0)
-        p_t = _rectify(x_t, power, POWER_MODE)
-        dv = _dot_acc(p_t, do, dv, FP16_RANGE, PRECISION, UPCAST)
-        dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
-        ds_t = dp_t * _rectify_grad(x_t, p_t, power, POWER_MODE)
-        dk = _dot_acc(ds_t, q, dk, FP16_RANGE, PRECISION, UPCAST)
+        if SKIP_ZERO:
+            if _any_live(x_t):
+                dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+        else:
+            dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
     return dk, dv
 
 
@@ -203,9 +251,11 @@ def threshold_bwd_dkv_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over the GROUP query heads that share
-    them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV)."""
+    them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). SKIP_ZERO: skip the dV/dP/dS/dK work of
+    query tiles whose rectified scores are all exactly 0. USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -216,10 +266,10 @@ def threshold_bwd_dkv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_tile(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                   offs_n, TK, offs_d, D, True, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-    v = _load_tile(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                   offs_n, TK, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+    k = _seq_tile(_head_src(K, b, hk, stride_kb, stride_kh, USE_TMA), b, hk, pid_n * BLOCK_N, stride_kt, stride_kd,
+                  TK, D, BLOCK_N, BLOCK_D, True, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    v = _seq_tile(_head_src(V, b, hk, stride_vb, stride_vh, USE_TMA), b, hk, pid_n * BLOCK_N, stride_vt, stride_vd,
+                  TK, DV, BLOCK_N, BLOCK_DV, True, USE_TMA)  # (BLOCK_N, BLOCK_DV)
 
     first_key = pid_n * BLOCK_N
     # query rows m see the block when pos_m >= first_key, all of it when pos_m >= first_key + BLOCK_N - 1
@@ -230,14 +280,14 @@ def threshold_bwd_dkv_kernel(
     for g in range(GROUP):
         h = hk * GROUP + g
         beta = tl.load(BETA + h)
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = dO + b * stride_dob + h * stride_doh
-        dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, m_lo, m_full,
-                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
-        dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, m_full, TQ,
-                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+        q_src = _head_src(Q, b, h, stride_qb, stride_qh, USE_TMA)
+        do_src = _head_src(dO, b, h, stride_dob, stride_doh, USE_TMA)
+        dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
+                                beta, past, TQ, scale, power, gain_coef, m_lo, m_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+        dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
+                                beta, past, TQ, scale, power, gain_coef, m_full, TQ, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
 
     dk_ptrs = dK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
     dv_ptrs = dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
@@ -246,29 +296,39 @@ def threshold_bwd_dkv_kernel(
 
 
 @triton.jit
+def _bwd_dq_update(dq, ds_sum, x, do, k, v, power, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr):
+    """dQ accumulator and per-row dS sums after one (query tile, key tile) pair with scores x (BLOCK_M, BLOCK_N)."""
+    dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
+    ds = dp * _rectify_grad(x, _rectify(x, power, POWER_MODE), power, POWER_MODE)
+    dq = _dot_acc(ds, k, dq, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    if BETA_GRAD:
+        ds_sum += tl.sum(ds, axis=1)
+    return dq, ds_sum
+
+
+@triton.jit
 def _bwd_dq_inner(
-    dq, ds_sum, q, do, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    dq, ds_sum, q, do, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
     TK, scale, power, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BETA_GRAD: tl.constexpr,
+    BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                       offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        v = _load_tile(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                       offs_n, TK, offs_dv, DV, CAUSAL_MASK, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+        k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
+        v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
         x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
         if CAUSAL_MASK:
             x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
-        dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
-        ds = dp * _rectify_grad(x, _rectify(x, power, POWER_MODE), power, POWER_MODE)
-        dq = _dot_acc(ds, k, dq, FP16_RANGE, PRECISION, UPCAST)
-        if BETA_GRAD:
-            ds_sum += tl.sum(ds, axis=1)
+        if SKIP_ZERO:
+            if _any_live(x):
+                dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power,
+                                            POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+        else:
+            dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power,
+                                        POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
     return dq, ds_sum
 
 
@@ -284,10 +344,11 @@ def threshold_bwd_dq_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BETA_GRAD: tl.constexpr,
+    BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """One program: dQ of BLOCK_M queries of one (batch, head), and their per-row dbeta terms
-    -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H).
+    SKIP_ZERO: skip the dP/dS/dQ work of all-zero tiles. USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -298,28 +359,27 @@ def threshold_bwd_dq_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                   offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
-    do = _load_tile(dO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
-                    offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+    q = _seq_tile(_head_src(Q, b, h, stride_qb, stride_qh, USE_TMA), b, h, pid_m * BLOCK_M, stride_qt, stride_qd,
+                  TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    do = _seq_tile(_head_src(dO, b, h, stride_dob, stride_doh, USE_TMA), b, h, pid_m * BLOCK_M, stride_dot, stride_dod,
+                   TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
     pos = offs_m + past
     gain = _gain(pos, gain_coef)
     tau = tl.load(BETA + h) * gain  # (BLOCK_M,)
 
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_src = _head_src(K, b, hk, stride_kb, stride_kh, USE_TMA)
+    v_src = _head_src(V, b, hk, stride_vb, stride_vh, USE_TMA)
     first_row = past + pid_m * BLOCK_M
     n_full = (first_row + 1) // BLOCK_N * BLOCK_N
     n_end = tl.minimum(first_row + BLOCK_M, TK)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
                                TK, scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                               False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
-    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, pos, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                               False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, SKIP_ZERO, USE_TMA)
+    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
                                TK, scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                               True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+                               True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, SKIP_ZERO, USE_TMA)
 
     dq_ptrs = dQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
     _store_tile(dq_ptrs, (dq * scale).to(dQ.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from lit_thresh.ops import differential_threshold_rela_triton, threshold_attention, threshold_rela_triton
-from lit_thresh.ops.function import resolve_backend
+from lit_thresh.ops import api, differential_threshold_rela_triton, threshold_attention, threshold_rela_triton
+from lit_thresh.ops.backend import resolve_backend
 from tests.ops.helpers import generator, randn
 
 
@@ -36,6 +36,8 @@ def _qkv(hq=2, hkv=2, tq=8, tk=8, d=16, dv=16, b=1, dtype=torch.float32):
         (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, "q must be float16, bfloat16, float32 or float64"),
         (lambda q, k, v: (q, k.to("meta"), v), ValueError, "on one device"),
         (lambda q, k, v: (q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
+        (lambda q, k, v: (q, None, v), TypeError, "k must be a torch.Tensor, got NoneType"),
+        (lambda q, k, v: (q, k, 1.0), TypeError, "v must be a torch.Tensor, got float"),
     ],
 )
 def test_bad_tensors(make, error, match):
@@ -61,6 +63,39 @@ def test_bad_power(power):
         threshold_rela_triton(q, k, v, 1.0, power)
     with pytest.raises(ValueError, match="relu_power must be a finite float > 0"):
         differential_threshold_rela_triton(q, q, k, k, v, 1.0, 0.5, relu_power=power)
+
+
+def test_tensor_power_is_refused():
+    """Reading a tensor power would sync with the device on every call: the ops take a float."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"power must be a float > 0 \(not a tensor\), got Tensor"):
+        threshold_attention(q, k, v, 1.0, torch.tensor(2.0))
+    with pytest.raises(TypeError, match=r"relu_power must be a float > 0 \(not a tensor\)"):
+        threshold_rela_triton(q, k, v, 1.0, torch.tensor(2.0))
+
+
+def test_per_head_beta_parameter_is_used_as_it_is(monkeypatch):
+    """A model's (H,) float32 parameter reaches the op without a new tensor per call."""
+    calls = []
+    monkeypatch.setattr(api, "threshold_attention_apply", lambda *args: calls.append(args))
+    q, k, v = _qkv()
+    beta = torch.nn.Parameter(torch.tensor([0.5, -0.5]))
+    threshold_attention(q, k, v, beta)
+    assert calls[0][3] is beta
+
+
+@pytest.mark.gpu
+def test_no_host_sync_in_forward_and_backward():
+    q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(tq=64, tk=64))
+    beta = torch.nn.Parameter(torch.full((2,), 0.3, device="cuda"))
+    threshold_attention(q, k, v, beta).sum().backward()  # compile the kernels first
+    beta.grad = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        threshold_attention(q, k, v, beta, 2.0).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert beta.grad is not None and torch.isfinite(beta.grad).all()
 
 
 @pytest.mark.parametrize(
@@ -125,7 +160,7 @@ def test_kernels_compile_for_hopper(tmp_path):
             kernel = getattr(tk, name)
             consts = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
                           BLOCK_M=64, BLOCK_N=64, POWER_MODE=power_mode, FP16_RANGE=dtype == "fp16",
-                          PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False)
+                          PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=False, USE_TMA=False)
             if name == "threshold_bwd_dq_kernel":
                 consts["BETA_GRAD"] = True
             sig = {}

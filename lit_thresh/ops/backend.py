@@ -1,0 +1,32 @@
+"""Which implementation runs an op: Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) or PyTorch."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "triton", "torch"]
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: Backend, q: torch.Tensor) -> Literal["triton", "torch"]:
+    """'auto': Triton for CUDA (or, under TRITON_INTERPRET=1, CPU) tensors of a Triton dtype; else torch."""
+    triton_device = q.is_cuda or (q.device.type == "cpu" and triton_interpreting())
+    if backend == "auto":
+        return "triton" if triton_device and q.dtype in TRITON_DTYPES else "torch"
+    if backend == "triton":
+        if not triton_device:
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); got device {q.device}"
+            )
+        if q.dtype not in TRITON_DTYPES:
+            raise TypeError(f"backend='triton' supports float16, bfloat16 and float32; got {q.dtype}")
+    return backend

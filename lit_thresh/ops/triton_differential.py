@@ -1,0 +1,471 @@
+"""Fused differential threshold attention in Triton: kernels (forward, backward dK/dV, backward dQ/dbeta/dlambda)
+and their launchers.
+
+Per (batch, query head h): x1_ij = scale q1_i.k1_j - tau_i, x2_ij = scale q2_i.k2_j - tau_i for key
+j <= pos_i (else 0), P = ReLU(x1)^p - lambda_h ReLU(x2)^p, out = P V: one output, V read once, one beta.
+Backward: dP = dO V^T, dS1 = dP p ReLU(x1)^(p-1), dS2 = -lambda dP p ReLU(x2)^(p-1), dV = P^T dO,
+dK_m = scale dS_m^T Q_m, dQ_m = scale dS_m K_m, dbeta_h = -sum (dS1 + dS2) gain_i, dlambda_h = -sum dP ReLU(x2)^p.
+dbeta and dlambda are reduced on the host from per-row partial sums (no atomics, deterministic).
+
+Tiling, masking, accumulation and fp16 range handling are the single op's (lit_thresh.ops.triton_kernels),
+whose jit helpers these kernels call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lit_thresh.ops.backend import triton_interpreting
+from lit_thresh.ops.triton_kernels import (
+    _any_live,
+    _as_fp32,
+    _dot_acc,
+    _gain,
+    _load_tile,
+    _mma,
+    _rectify,
+    _rectify_grad,
+    _store_tile,
+)
+from lit_thresh.ops.triton_launch import (
+    BlockConfig,
+    KernelConfigs,
+    _block_dim,
+    _common_meta,
+    _empty_like_layout,
+    _launch_meta,
+)
+
+
+@triton.jit
+def _diff_fwd_update(
+    acc, x1, x2, lam, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """acc + (ReLU(x1)^p - lambda ReLU(x2)^p) V for one key tile (V is loaded only here, when needed)."""
+    v = _load_tile(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                   offs_n, TK, offs_dv, DV, CHECK_ROWS, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+    p = _rectify(x1, power, POWER_MODE) - lam * _rectify(x2, power, POWER_MODE)  # (BLOCK_M, BLOCK_N)
+    return _dot_acc(p, v, acc, FP16_RANGE, PRECISION, UPCAST)
+
+
+@triton.jit
+def _diff_fwd_inner(
+    acc, q1, q2, tau, lam, pos, k1_base, k2_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    TK, scale, power, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_ZERO: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
+        k1 = _load_tile(k1_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        k2 = _load_tile(k2_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        if CAUSAL_MASK:
+            visible = offs_n[None, :] <= pos[:, None]
+            x1 = tl.where(visible, x1, 0.0)
+            x2 = tl.where(visible, x2, 0.0)
+        if SKIP_ZERO:
+            if _any_live(x1) | _any_live(x2):
+                acc = _diff_fwd_update(acc, x1, x2, lam, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
+                                       DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+        else:
+            acc = _diff_fwd_update(acc, x1, x2, lam, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
+                                   DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
+def diff_threshold_fwd_kernel(
+    Q1, Q2, K1, K2, V, O, BETA, LAM,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    H, GROUP, TQ, TK, scale, power, gain_coef,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_ZERO: tl.constexpr = False,
+):
+    """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
+    q1 and q2 share strides, as do k1 and k2 (the launcher makes them so). SKIP_ZERO: skip the PV
+    product of key tiles where both rectified score tiles are all exactly 0."""
+    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    past = TK - TQ
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_offs = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
+    q1 = _load_tile(Q1 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    q2 = _load_tile(Q2 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    pos = offs_m + past  # absolute positions (BLOCK_M,)
+    tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
+    lam = tl.load(LAM + h)
+
+    kv_off = b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    first_row = past + pid_m * BLOCK_M
+    n_full = (first_row + 1) // BLOCK_N * BLOCK_N  # keys [0, n_full) are visible to every row
+    n_end = tl.minimum(first_row + BLOCK_M, TK)  # no row sees a key at or past n_end
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, pos, K1 + kv_off, K2 + kv_off, v_base,
+                          stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, 0, n_full,
+                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, pos, K1 + kv_off, K2 + kv_off, v_base,
+                          stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, n_full, n_end,
+                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od
+    _store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, TQ, offs_dv, DV, DV != BLOCK_DV)
+
+
+@triton.jit
+def _diff_bwd_dkv_update(
+    dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dK1, dK2, dV accumulators after one (key tile, query tile) pair with transposed scores (BLOCK_N, BLOCK_M)."""
+    p1_t = _rectify(x1_t, power, POWER_MODE)
+    p2_t = _rectify(x2_t, power, POWER_MODE)
+    dv = _dot_acc(p1_t - lam * p2_t, do, dv, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
+    dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
+    ds1_t = dp_t * _rectify_grad(x1_t, p1_t, power, POWER_MODE)
+    ds2_t = -lam * dp_t * _rectify_grad(x2_t, p2_t, power, POWER_MODE)
+    dk1 = _dot_acc(ds1_t, q1, dk1, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
+    dk2 = _dot_acc(ds2_t, q2, dk2, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
+    return dk1, dk2, dv
+
+
+@triton.jit
+def _diff_bwd_dkv_inner(
+    dk1, dk2, dv, k1, k2, v, offs_n, q1_base, q2_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+    beta, lam, past, TQ, scale, power, gain_coef, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_ZERO: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_offs = offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
+        q1 = _load_tile(q1_base + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        q2 = _load_tile(q2_base + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        do = _load_tile(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
+                        offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+        pos = offs_m + past
+        tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
+        x1_t = _mma(k1, tl.trans(q1), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
+        x2_t = _mma(k2, tl.trans(q2), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
+        if CAUSAL_MASK:
+            visible = offs_n[:, None] <= pos[None, :]
+            x1_t = tl.where(visible, x1_t, 0.0)
+            x2_t = tl.where(visible, x2_t, 0.0)
+        if SKIP_ZERO:
+            if _any_live(x1_t) | _any_live(x2_t):
+                dk1, dk2, dv = _diff_bwd_dkv_update(dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
+                                                    POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+        else:
+            dk1, dk2, dv = _diff_bwd_dkv_update(dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
+                                                POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+    return dk1, dk2, dv
+
+
+@triton.jit
+def diff_threshold_bwd_dkv_kernel(
+    Q1, Q2, K1, K2, V, dO, dK1, dK2, dV, BETA, LAM,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+    HKV, GROUP, TQ, TK, scale, power, gain_coef,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_ZERO: tl.constexpr = False,
+):
+    """One program: dK1, dK2, dV of BLOCK_N keys of one (batch, kv head), summed over the GROUP query heads
+    that share them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). SKIP_ZERO: skip the work after the
+    score products of query tiles where both rectified score tiles are all exactly 0."""
+    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    past = TK - TQ
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_offs = b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
+    k1 = _load_tile(K1 + k_offs, offs_n, TK, offs_d, D, True, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    k2 = _load_tile(K2 + k_offs, offs_n, TK, offs_d, D, True, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    v = _load_tile(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                   offs_n, TK, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+
+    first_key = pid_n * BLOCK_N
+    # query rows m see the block when pos_m >= first_key, all of it when pos_m >= first_key + BLOCK_N - 1
+    m_lo = tl.maximum(first_key - past, 0) // BLOCK_M * BLOCK_M
+    m_full = tl.minimum(tl.cdiv(tl.maximum(first_key + BLOCK_N - 1 - past, 0), BLOCK_M) * BLOCK_M, TQ)
+    dk1 = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dk2 = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        beta = tl.load(BETA + h)
+        lam = tl.load(LAM + h)
+        q_off = b * stride_qb + h * stride_qh
+        do_base = dO + b * stride_dob + h * stride_doh
+        dk1, dk2, dv = _diff_bwd_dkv_inner(
+            dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+            beta, lam, past, TQ, scale, power, gain_coef, m_lo, m_full,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+        dk1, dk2, dv = _diff_bwd_dkv_inner(
+            dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+            beta, lam, past, TQ, scale, power, gain_coef, m_full, TQ,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+
+    dk_offs = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
+    dv_ptrs = dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
+    _store_tile(dK1 + dk_offs, (dk1 * scale).to(dK1.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
+    _store_tile(dK2 + dk_offs, (dk2 * scale).to(dK2.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
+    _store_tile(dv_ptrs, dv.to(dV.dtype.element_ty), offs_n, TK, offs_dv, DV, DV != BLOCK_DV)
+
+
+@triton.jit
+def _diff_bwd_dq_update(
+    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr,
+):
+    """dQ1, dQ2 accumulators and per-row dbeta / dlambda sums after one (query tile, key tile) pair
+    with scores x1, x2 (BLOCK_M, BLOCK_N); V is loaded only here, when needed."""
+    v = _load_tile(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                   offs_n, TK, offs_dv, DV, CHECK_ROWS, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+    dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
+    p2 = _rectify(x2, power, POWER_MODE)
+    ds1 = dp * _rectify_grad(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)
+    ds2 = -lam * dp * _rectify_grad(x2, p2, power, POWER_MODE)
+    dq1 = _dot_acc(ds1, k1, dq1, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    dq2 = _dot_acc(ds2, k2, dq2, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    if BETA_GRAD:
+        ds_sum += tl.sum(ds1 + ds2, axis=1)
+    if LAM_GRAD:
+        dlam_sum += tl.sum(dp * p2, axis=1)
+    return dq1, dq2, ds_sum, dlam_sum
+
+
+@triton.jit
+def _diff_bwd_dq_inner(
+    dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, pos, k1_base, k2_base, v_base,
+    stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
+        k1 = _load_tile(k1_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        k2 = _load_tile(k2_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        if CAUSAL_MASK:
+            visible = offs_n[None, :] <= pos[:, None]
+            x1 = tl.where(visible, x1, 0.0)
+            x2 = tl.where(visible, x2, 0.0)
+        if SKIP_ZERO:
+            if _any_live(x1) | _any_live(x2):
+                dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
+                    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, offs_n, offs_dv, v_base, stride_vt, stride_vd,
+                    TK, power, DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD)
+        else:
+            dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
+                dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, offs_n, offs_dv, v_base, stride_vt, stride_vd,
+                TK, power, DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD)
+    return dq1, dq2, ds_sum, dlam_sum
+
+
+@triton.jit
+def diff_threshold_bwd_dq_kernel(
+    Q1, Q2, K1, K2, V, dO, dQ1, dQ2, DBETA_ROWS, DLAM_ROWS, BETA, LAM,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    H, GROUP, TQ, TK, scale, power, gain_coef,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False,
+):
+    """One program: dQ1, dQ2 of BLOCK_M queries of one (batch, head), and their per-row terms
+    -gain_i sum_j (dS1 + dS2)_ij into DBETA_ROWS and -sum_j dP_ij ReLU(x2_ij)^p into DLAM_ROWS
+    (both (B * H, TQ) fp32, summed on the host). Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    past = TK - TQ
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_offs = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
+    q1 = _load_tile(Q1 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    q2 = _load_tile(Q2 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    do = _load_tile(dO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
+                    offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+    pos = offs_m + past
+    gain = _gain(pos, gain_coef)
+    tau = tl.load(BETA + h) * gain  # (BLOCK_M,)
+    lam = tl.load(LAM + h)
+
+    kv_off = b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    first_row = past + pid_m * BLOCK_M
+    n_full = (first_row + 1) // BLOCK_N * BLOCK_N
+    n_end = tl.minimum(first_row + BLOCK_M, TK)
+    dq1 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    dq2 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    dlam_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_inner(
+        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, pos, K1 + kv_off, K2 + kv_off, v_base,
+        stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, 0, n_full,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, SKIP_ZERO)
+    dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_inner(
+        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, pos, K1 + kv_off, K2 + kv_off, v_base,
+        stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, n_full, n_end,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, SKIP_ZERO)
+
+    dq_offs = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
+    _store_tile(dQ1 + dq_offs, (dq1 * scale).to(dQ1.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    _store_tile(dQ2 + dq_offs, (dq2 * scale).to(dQ2.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    row = pid_bh.to(tl.int64) * TQ + offs_m
+    if BETA_GRAD:
+        tl.store(DBETA_ROWS + row, -gain * ds_sum, mask=offs_m < TQ)
+    if LAM_GRAD:
+        tl.store(DLAM_ROWS + row, -dlam_sum, mask=offs_m < TQ)
+
+
+def default_diff_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> KernelConfigs:
+    """Tiles per kernel. A program holds two q (or k) tiles of `head_dim` and one v tile of `head_dim_v`,
+    so the tiles are those the single op (triton_launch.default_configs) uses at the larger of 2 * head_dim
+    and head_dim_v; fp32 with wide heads gets smaller tiles and one stage to fit in H200 shared memory
+    (227 KiB; checked by compiling for sm_90). Untuned starting points; small tiles under the interpreter."""
+    if triton_interpreting():
+        return KernelConfigs(BlockConfig(32, 32), BlockConfig(32, 32), BlockConfig(32, 32))
+    width = max(2 * head_dim, head_dim_v)
+    if dtype == torch.float32 and 2 * _block_dim(head_dim) + _block_dim(head_dim_v) > 320:
+        return KernelConfigs(BlockConfig(32, 32, 4, 2), BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1))
+    if dtype == torch.float32 or width > 128:
+        return KernelConfigs(BlockConfig(64, 32, 4, 2), BlockConfig(32, 64, 4, 2), BlockConfig(64, 32, 4, 2))
+    if width > 64:
+        return KernelConfigs(BlockConfig(128, 64, 8, 3), BlockConfig(64, 64, 8, 2), BlockConfig(64, 64, 8, 2))
+    return KernelConfigs(BlockConfig(64, 64, 4, 3), BlockConfig(64, 64, 4, 3), BlockConfig(64, 64, 4, 3))
+
+
+def _same_strides(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b with one set of strides (the kernels take one per pair): contiguous copies if they differ."""
+    if a.stride() == b.stride():
+        return a, b
+    return a.contiguous(), b.contiguous()
+
+
+def diff_triton_forward(
+    q1: torch.Tensor,  # (B, Hq, Tq, D)
+    q2: torch.Tensor,  # (B, Hq, Tq, D)
+    k1: torch.Tensor,  # (B, Hkv, Tk, D)
+    k2: torch.Tensor,  # (B, Hkv, Tk, D)
+    v: torch.Tensor,  # (B, Hkv, Tk, Dv)
+    beta: torch.Tensor,  # (Hq,) float32
+    lam: torch.Tensor,  # (Hq,) float32
+    power: float,
+    scale: float,
+    configs: KernelConfigs | None = None,
+) -> torch.Tensor:
+    """Forward pass; returns (B, Hq, Tq, Dv) in q1's dtype. configs: tiles, warps, stages and skip_zero per
+    kernel (default_diff_configs when None); these kernels read through pointers, so `tma` is not used."""
+    (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
+    out = _empty_like_layout(q1, (b, hq, tq, dv))
+    q1, q2 = _same_strides(q1, q2)
+    k1, k2 = _same_strides(k1, k2)
+    cfg = (configs or default_diff_configs(d, dv, q1.dtype)).fwd
+    diff_threshold_fwd_kernel[(triton.cdiv(tq, cfg.block_m), b * hq)](
+        q1, q2, k1, k2, v, out, beta, lam,
+        *q1.stride(), *k1.stride(), *v.stride(), *out.stride(),
+        hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
+        **_launch_meta(cfg), **_common_meta(q1, d, dv, power),
+    )
+    return out
+
+
+def diff_triton_backward(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    power: float,
+    scale: float,
+    dout: torch.Tensor,  # (B, Hq, Tq, Dv)
+    need_dbeta: bool,
+    need_dlam: bool,
+    configs: KernelConfigs | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Backward pass: (dq1, dq2, dk1, dk2, dv, dbeta, dlam); dbeta and dlam (Hq,) are reduced
+    deterministically from per-row terms, and are None unless asked for. configs: as diff_triton_forward."""
+    (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
+    q1, q2 = _same_strides(q1, q2)
+    k1, k2 = _same_strides(k1, k2)
+    cfgs = configs or default_diff_configs(d, dv, q1.dtype)
+    meta = _common_meta(q1, d, dv, power)
+    scalars = (tq, tk, scale, power, 2.0 / d)
+    dq1, dq2 = torch.empty_like(q1), torch.empty_like(q1)
+    dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
+
+    cfg = cfgs.bwd_dkv
+    diff_threshold_bwd_dkv_kernel[(triton.cdiv(tk, cfg.block_n), b * hkv)](
+        q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, lam,
+        *q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(),
+        hkv, hq // hkv, *scalars, **_launch_meta(cfg), **meta,
+    )
+
+    cfg = cfgs.bwd_dq
+    dbeta_rows, dlam_rows = (
+        torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need else dq1 for need in (need_dbeta, need_dlam)
+    )
+    diff_threshold_bwd_dq_kernel[(triton.cdiv(tq, cfg.block_m), b * hq)](
+        q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, lam,
+        *q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(),
+        hq, hq // hkv, *scalars, **_launch_meta(cfg), BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam, **meta,
+    )
+    dbeta = dbeta_rows.sum(dim=(0, 2)).to(beta.dtype) if need_dbeta else None  # (Hq,)
+    dlam = dlam_rows.sum(dim=(0, 2)).to(lam.dtype) if need_dlam else None  # (Hq,)
+    return dq1, dq2, dk1, dk2, dval, dbeta, dlam

@@ -1,0 +1,360 @@
+"""The fused differential_threshold_attention (Triton kernels and the blockwise PyTorch path) against a float64
+reference built from threshold_attention_reference: forward and every gradient (q1, q2, k1, k2, v, beta, lambda).
+
+On CPU the Triton kernels run through the Triton interpreter (tests/conftest.py), so those cases are tiny;
+the `gpu`-marked cases run realistic sizes on CUDA (`pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lit_thresh.attention import DiffThresholdAttention
+from lit_thresh.ops import differential_threshold_attention, differential_threshold_rela_triton, threshold_attention
+from lit_thresh.ops.differential_function import (
+    differential_threshold_attention_backward_op,
+    differential_threshold_attention_op,
+)
+from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
+from lit_thresh.ops.triton_differential import diff_triton_backward, diff_triton_forward
+from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs
+from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, randn, rel_err
+
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dbeta", "dlam")
+
+
+def differential_reference(q1, q2, k1, k2, v, beta, lam, power, scale):
+    """A1 V - lam A2 V with an unclamped per-head lambda, materialising both maps."""
+    lam = torch.as_tensor(lam, dtype=q1.dtype).reshape(-1, 1, 1)  # (1|Hq, 1, 1)
+    a1v = threshold_attention_reference(q1, k1, v, beta, power, scale)  # (B, Hq, Tq, Dv)
+    return a1v - lam * threshold_attention_reference(q2, k2, v, beta, power, scale)
+
+
+def make_inputs(gen, device, dtype, b, hq, hkv, tq, tk, d, dv, beta, lam, layout="bhtd"):
+    """q1, q2, k1, k2, v (requiring grad) in the layout asked for, and beta, lam as a float, a 0-d
+    tensor ('scalar'), an (Hq,) tensor ('per_head') or an (Hq,) strided view ('strided'); both are
+    drawn in [-0.5, 1.5] (lam unclamped)."""
+
+    def make(h, t, dim):
+        if layout == "bthd":  # a (B, T, H, D) tensor seen as (B, H, T, D): non-contiguous
+            return randn(gen, b, t, h, dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
+        if layout == "sliced":  # every other position and a slice of a wider head dim
+            return randn(gen, b, h, 2 * t, dim + 3, dtype=dtype, device=device)[:, :, ::2, 1 : dim + 1].requires_grad_()
+        return randn(gen, b, h, t, dim, dtype=dtype, device=device).requires_grad_()
+
+    param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def scalar(kind, low, high):
+        if kind in ("per_head", "strided"):
+            values = (low + (high - low) * torch.rand(2 * hq, generator=gen, dtype=param_dtype)).to(device)
+            return (values[::2] if kind == "strided" else values[:hq]).requires_grad_()
+        if kind == "scalar":
+            return torch.tensor(0.5 * (low + high), dtype=param_dtype, device=device).requires_grad_()
+        return kind  # a float
+
+    qkv = [make(hq, tq, d), make(hq, tq, d), make(hkv, tk, d), make(hkv, tk, d), make(hkv, tk, dv)]
+    return qkv, scalar(beta, -0.5, 1.5), scalar(lam, -0.5, 1.5)
+
+
+def check(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta="per_head", lam="per_head", power=2.0, scale=0.7,
+          layout="bhtd") -> None:
+    """Forward and every gradient against the float64 reference, by relative error norm."""
+    gen = generator("diff_fused", device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, lam, power, scale, layout)
+    qkv, beta, lam = make_inputs(gen, device, dtype, b, hq, hkv, tq, tk, d, dv, beta, lam, layout)
+    out = differential_threshold_attention(*qkv, beta, lam, power, scale=scale, backend=backend)
+    assert out.shape == (b, hq, tq, dv) and out.dtype == dtype
+    dout = randn(gen, b, hq, tq, dv, dtype=dtype, device=device)
+    wrt = qkv + [t for t in (beta, lam) if isinstance(t, torch.Tensor)]
+    grads = torch.autograd.grad(out, wrt, dout)
+    assert all(g.shape == t.shape and g.dtype == t.dtype for g, t in zip(grads, wrt))
+
+    ref_wrt = [t.detach().double().requires_grad_() for t in wrt]
+    it = iter(ref_wrt[5:])  # the tensor ones of beta, lam
+    ref_beta = next(it) if isinstance(beta, torch.Tensor) else beta
+    ref_lam = next(it) if isinstance(lam, torch.Tensor) else lam
+    ref = differential_reference(*ref_wrt[:5], ref_beta, ref_lam, power, scale)
+    ref_grads = torch.autograd.grad(ref, ref_wrt, dout.double())
+
+    # No kernel beats the exact result rounded to the input dtype: that rounding error is added to each bound.
+    floors = [rel_err(r.to(t.dtype), r) for r, t in zip((ref, *ref_grads), (out, *wrt))]
+    assert all(math.isfinite(f) for f in floors)
+    assert rel_err(out, ref) < TOLERANCE[dtype] + floors[0], f"out: {rel_err(out, ref):.2e}"
+    grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
+    names = GRADS[:5] + tuple(n for n, t in zip(GRADS[5:], (beta, lam)) if isinstance(t, torch.Tensor))
+    errors = {n: rel_err(g, r) for n, g, r in zip(names, grads, ref_grads)}
+    assert all(errors[n] < grad_tol + f for n, f in zip(names, floors[1:])), f"tolerance {grad_tol}: {errors}"
+
+
+# (B, Hq, Hkv, Tq, Tk, D, Dv): T = 1, odd lengths, non-power-of-two head dims, Tq < Tk, GQA, Dv != D.
+TORCH_SHAPES = [
+    (1, 1, 1, 1, 1, 24, 24),
+    (2, 4, 2, 37, 37, 24, 48),
+    (1, 2, 1, 20, 70, 80, 64),
+    (2, 2, 2, 70, 70, 64, 80),
+]
+TRITON_SHAPES = [
+    (1, 1, 1, 1, 1, 16, 16),
+    (1, 2, 1, 37, 37, 24, 40),
+    (1, 2, 2, 9, 40, 80, 24),
+]
+
+
+@pytest.mark.parametrize("shape", TORCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("power", [1.0, 2.0, 1.5])
+def test_torch_backend_float64(shape, power):
+    check("cpu", torch.float64, "torch", *shape, power=power)
+
+
+@pytest.mark.parametrize("beta,lam", [(0.3, -0.4), ("scalar", "scalar"), ("per_head", 1.3), (-1.0, "per_head")])
+@pytest.mark.parametrize("layout", ["bhtd", "bthd", "sliced"])
+def test_torch_backend_parameter_forms_and_layouts(beta, lam, layout):
+    check("cpu", torch.float64, "torch", 2, 4, 2, 21, 30, 24, 24, beta=beta, lam=lam, power=1.5, layout=layout)
+
+
+def test_torch_backend_float32():
+    check("cpu", torch.float32, "torch", 2, 4, 1, 33, 50, 24, 40, power=2.0)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("shape", TRITON_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_triton_backend_shapes_and_dtypes(device, shape, dtype):
+    check(device, dtype, "triton", *shape)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("power,beta,lam", [(1.0, 0.2, "scalar"), (1.5, "scalar", 0.6), (2.0, "strided", "strided")])
+def test_triton_backend_powers_and_parameter_forms(device, power, beta, lam):
+    check(device, torch.float32, "triton", 1, 2, 1, 20, 33, 16, 16, beta=beta, lam=lam, power=power)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("layout,dtype", [("bthd", torch.float32), ("sliced", torch.bfloat16)], ids=str)
+def test_triton_backend_non_contiguous(device, layout, dtype):
+    check(device, dtype, "triton", 1, 2, 1, 19, 19, 16, 24, layout=layout)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_triton_backend_mixed_layouts(device):
+    """q1 and q2 (k1 and k2) with different strides: the kernels take one set per pair, so the launcher
+    copies; outputs and gradients still match the reference and have the layouts of their inputs."""
+    gen = generator("diff_mixed", device)
+    q1 = randn(gen, 1, 9, 2, 16, device=device).transpose(1, 2).requires_grad_()  # (B, H, T, D) view of (B, T, H, D)
+    k2 = randn(gen, 1, 9, 1, 16, device=device).transpose(1, 2).requires_grad_()
+    q2, k1, v = (randn(gen, *shape, device=device).requires_grad_() for shape in ((1, 2, 9, 16), (1, 1, 9, 16), (1, 1, 9, 8)))
+    lam = torch.tensor([0.4, 1.2], device=device)
+    out = differential_threshold_attention(q1, q2, k1, k2, v, 0.1, lam, backend="triton")
+    dout = randn(gen, *out.shape, device=device)
+    grads = torch.autograd.grad(out, (q1, q2, k1, k2, v), dout)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q1, q2, k1, k2, v)]
+    ref = differential_reference(*inputs64, 0.1, lam.double(), 2.0, 1.0)
+    ref_grads = torch.autograd.grad(ref, inputs64, dout.double())
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    for g, r, t in zip(grads, ref_grads, (q1, q2, k1, k2, v)):
+        assert rel_err(g, r) < TOLERANCE[torch.float32] and g.stride() == t.stride()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dv", [(64, 128), (128, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_realistic_sizes_gpu(d, dv, dtype):
+    check("cuda", dtype, "triton", 2, 4, 2, 1024, 1024, d, dv, scale=d**-0.5)  # fp16: sums stay in range
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_skip_zero_tiles_change_nothing(device):
+    """With BlockConfig.skip_zero the kernels skip tiles where both rectified maps are all 0: same results,
+    bit for bit, on inputs where most tiles are all 0 and some are not."""
+    gen = generator("diff_skip", device)
+    t, d = 48, 16
+    q1, q2, k1, k2 = (F.normalize(randn(gen, 1, 2, t, d, dtype=torch.float64), dim=-1) for _ in range(4))
+    k1[:, :, 3], k2[:, :, 20] = q1[:, :, 44], q2[:, :, 30]  # two scores of 1, above tau; the rest mostly below
+    q1, q2, k1, k2 = (x.float().to(device) for x in (q1, q2, k1, k2))
+    v = randn(gen, 1, 2, t, d, device=device)
+    beta = torch.tensor([1.2, 1.4], device=device)
+    live = sum(threshold_attention_weights(q, k, beta, 2.0).ne(0) for q, k in ((q1, k1), (q2, k2)))  # (1, 2, T, T)
+    live_tiles = live.unflatten(-1, (t // 16, 16)).unflatten(-3, (t // 16, 16)).sum((-1, -3)).ne(0)  # (1, 2, 3, 3)
+    causal_tiles = live_tiles[..., torch.ones(t // 16, t // 16, dtype=torch.bool, device=device).tril()]
+    assert causal_tiles.any() and not causal_tiles.all()  # some tiles are skipped, some are not
+    lam = torch.tensor([0.7, -0.3], device=device)
+    dout = randn(gen, 1, 2, t, d, device=device)
+    results = []
+    for skip in (False, True):
+        cfg = BlockConfig(16, 16, skip_zero=skip)
+        cfgs = KernelConfigs(cfg, cfg, cfg)
+        out = diff_triton_forward(q1, q2, k1, k2, v, beta, lam, 2.0, 1.0, cfgs)
+        results.append([out, *diff_triton_backward(q1, q2, k1, k2, v, beta, lam, 2.0, 1.0, dout, True, True, cfgs)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    ref = differential_reference(q1.double(), q2.double(), k1.double(), k2.double(), v.double(), beta.double(),
+                                 lam.double(), 2.0, 1.0)
+    assert ref.abs().max() > 0 and rel_err(results[1][0], ref) < TOLERANCE[torch.float32]
+
+
+def test_equals_two_single_op_calls():
+    """The fused op computes what two threshold_attention calls and a per-head lambda do (float64, torch)."""
+    gen = generator("diff_two_calls")
+    (q1, q2, k1, k2, v), beta, lam = make_inputs(gen, "cpu", torch.float64, 2, 4, 2, 15, 15, 8, 8, "per_head", "per_head")
+    fused = differential_threshold_attention(q1, q2, k1, k2, v, beta, lam, 1.5)
+    two = threshold_attention(q1, k1, v, beta, 1.5) - lam[:, None, None] * threshold_attention(q2, k2, v, beta, 1.5)
+    torch.testing.assert_close(fused, two, rtol=1e-12, atol=1e-12)
+
+
+def _op_args(backend: str, dtype=torch.float32, layout="bhtd"):
+    gen = generator("diff_library", backend, dtype, layout)
+    qkv, beta, lam = make_inputs(gen, "cpu", dtype, 2, 4, 2, 5, 9, 16, 8, "per_head", "per_head", layout)
+    return (*qkv, beta, lam, 1.5, 0.5, backend)
+
+
+@pytest.mark.parametrize("dtype,layout", [(torch.float64, "bhtd"), (torch.float32, "bthd"), (torch.float64, "sliced")], ids=str)
+def test_opcheck_torch_backend(dtype, layout):
+    args = _op_args("torch", dtype, layout)
+    torch.library.opcheck(differential_threshold_attention_op, args)
+    dout = randn(generator("diff_library_dout", dtype), 2, 4, 5, 8, dtype=dtype)
+    inputs = tuple(a.detach() for a in args[:7])
+    for need in ((True, True), (False, False)):
+        torch.library.opcheck(differential_threshold_attention_backward_op, (dout, *inputs, *args[7:], *need))
+
+
+def test_opcheck_torch_backend_empty_batch():
+    q1, q2, k1, k2, v, beta, lam, *rest = _op_args("torch")
+    torch.library.opcheck(differential_threshold_attention_op, (q1[:0], q2[:0], k1[:0], k2[:0], v[:0], beta, lam, *rest))
+
+
+def test_opcheck_triton_backend():
+    """Under TRITON_INTERPRET=1 on CPU (tests/conftest.py), else on CUDA tensors."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = generator("diff_library_triton")
+    qkv, beta, lam = make_inputs(gen, device, torch.float32, 1, 2, 1, 3, 4, 16, 16, "per_head", "per_head")
+    torch.library.opcheck(differential_threshold_attention_op, (*qkv, beta, lam, 2.0, 1.0, "triton"))
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda a: {**a, "q2": a["q2"].numpy()}, TypeError, "q2"),
+        (lambda a: {**a, "q2": a["q2"][:, :, :-1]}, ValueError, "q2"),
+        (lambda a: {**a, "k2": a["k2"].double()}, TypeError, "k2"),
+        (lambda a: {**a, "k1": "k"}, TypeError, "k1"),
+        (lambda a: {**a, "lam": torch.ones(3)}, ValueError, "lam"),
+        (lambda a: {**a, "lam": "0.5"}, TypeError, "lam"),
+        (lambda a: {**a, "beta": torch.ones(2, 2)}, ValueError, "beta"),
+        (lambda a: {**a, "power": -1.0}, ValueError, "power"),
+    ],
+)
+def test_bad_arguments_are_named(change, error, match):
+    gen = generator("diff_errors")
+    q1, q2, k1, k2, v = (randn(gen, 1, 2, 4, 8) for _ in range(5))
+    args = change(dict(q1=q1, q2=q2, k1=k1, k2=k2, v=v, beta=0.5, lam=0.5, power=2.0))
+    with pytest.raises(error, match=match):
+        differential_threshold_attention(**args)
+
+
+def test_compat_clamps_lambda_and_refuses_nan():
+    gen = generator("diff_compat")
+    q1, q2, k1, k2, v = (randn(gen, 1, 2, 6, 8, dtype=torch.float64) for _ in range(5))
+    out = differential_threshold_rela_triton(q1, q2, k1, k2, v, 0.1, torch.tensor([1.7, -0.2], dtype=torch.float64))
+    n = [F.normalize(t, dim=-1) for t in (q1, q2, k1, k2)]
+    clamped = differential_reference(*n, v, 0.1, torch.tensor([1.0, 0.0], dtype=torch.float64), 2.0, 1.0)
+    torch.testing.assert_close(out, clamped, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="lambda_param"):
+        differential_threshold_rela_triton(q1, q2, k1, k2, v, 0.1, torch.tensor([0.5, math.nan]))
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_variant_matches_two_single_op_calls_with_gradients(n_kv_heads):
+    """DiffThresholdAttention.attend (one fused call) equals the two-call formula, output and gradients
+    (q, k, v, beta and the lambda parameters), with an unclamped lambda."""
+    torch.manual_seed(0)
+    attn = DiffThresholdAttention(32, 4, 1, n_kv_heads=n_kv_heads, beta=0.2).double()
+    with torch.no_grad():
+        attn.lambda_q1.fill_(0.5), attn.lambda_k1.fill_(0.5), attn.lambda_q2.fill_(0.1)  # lambda > 1
+    gen = generator("diff_variant", n_kv_heads)
+    q = randn(gen, 2, 8, 7, 4, dtype=torch.float64).requires_grad_()  # (B, 2H, T, Dq)
+    k = randn(gen, 2, 2 * n_kv_heads, 7, 4, dtype=torch.float64).requires_grad_()  # (B, 2Hkv, T, Dq)
+    v = randn(gen, 2, n_kv_heads, 7, 8, dtype=torch.float64).requires_grad_()  # (B, Hkv, T, Dh)
+    wrt = [q, k, v, attn.threshold.beta, attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2]
+
+    fused = attn.attend(q, k, v)
+    (q1, q2), (k1, k2) = (F.normalize(t, dim=-1).chunk(2, dim=1) for t in (q, k))
+    beta, lam = attn.threshold.beta, attn.lambda_full()
+    assert lam > 1
+    y = threshold_attention(q1, k1, v, beta) - lam * threshold_attention(q2, k2, v, beta)
+    two = attn.out_norm(y) * (1 - attn.lambda_init)
+    torch.testing.assert_close(fused, two, rtol=1e-12, atol=1e-12)
+    dout = randn(gen, *fused.shape, dtype=torch.float64)
+    for g_fused, g_two in zip(torch.autograd.grad(fused, wrt, dout), torch.autograd.grad(two, wrt, dout)):
+        assert g_two.abs().max() > 0
+        torch.testing.assert_close(g_fused, g_two, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_nan_propagates_to_the_rows_it_reaches(backend):
+    """ReLU(NaN) = NaN: a NaN in q2 makes its own output row NaN and leaves every other row finite."""
+    gen = generator("diff_nan", backend)
+    q1, q2, k1, k2, v = (randn(gen, 1, 2, 9, 16) for _ in range(5))
+    q2[0, 1, 4, 3] = math.nan
+    out = differential_threshold_attention(q1, q2, k1, k2, v, 0.1, torch.tensor([0.5, 0.7]), backend=backend)
+    nan_rows = out.isnan().any(-1)  # (1, 2, 9)
+    assert nan_rows[0, 1, 4] and nan_rows.sum() == 1
+
+
+def test_fake_tensors_give_shapes_and_dtypes_without_computing():
+    with FakeTensorMode():
+        q1, q2 = torch.empty(2, 4, 5, 16, dtype=torch.bfloat16), torch.empty(2, 4, 5, 16, dtype=torch.bfloat16)
+        k1, k2 = torch.empty(2, 2, 9, 16, dtype=torch.bfloat16), torch.empty(2, 2, 9, 16, dtype=torch.bfloat16)
+        v = torch.empty(2, 2, 9, 24, dtype=torch.bfloat16)
+        out = differential_threshold_attention(q1, q2, k1, k2, v, torch.zeros(4), 0.5, 1.5, backend="torch")
+    assert out.shape == (2, 4, 5, 24) and out.dtype == torch.bfloat16
+
+
+def test_kernels_compile_for_hopper(tmp_path):
+    """The interpreter accepts code the compiler rejects: compile each kernel for sm_90 down to a cubin, in a
+    process without TRITON_INTERPRET (no GPU needed), with its default tiles at head dims where they are
+    largest (the shared memory must fit an H200's 227 KiB). One dtype per kernel, fp64 float scalars as
+    torch.compile passes them."""
+    script = textwrap.dedent(
+        """
+        import torch, triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from lit_thresh.ops import triton_differential as td
+
+        cases = [("diff_threshold_fwd_kernel", "fwd", 8, "fp16", torch.float16, 256, 256, 0, False),
+                 ("diff_threshold_bwd_dkv_kernel", "bwd_dkv", 11, "bf16", torch.bfloat16, 64, 128, 2, True),
+                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 12, "fp32", torch.float32, 200, 72, 1, False)]
+        for name, which, n_ptr, dtype, torch_dtype, d, dv, power_mode, skip in cases:
+            kernel, cfg = getattr(td, name), getattr(td.default_diff_configs(d, dv, torch_dtype), which)
+            consts = dict(D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, POWER_MODE=power_mode, FP16_RANGE=dtype == "fp16",
+                          PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=skip)
+            if which == "bwd_dq":
+                consts.update(BETA_GRAD=True, LAM_GRAD=True)
+            sig = {}
+            for i, arg in enumerate(kernel.arg_names):
+                if arg in consts:
+                    sig[arg] = "constexpr"
+                elif i < n_ptr:
+                    sig[arg] = "*fp32" if arg in ("BETA", "LAM", "DBETA_ROWS", "DLAM_ROWS") else f"*{dtype}"
+                else:
+                    sig[arg] = "fp64" if arg in ("scale", "power", "gain_coef") else "i32"
+            compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
+        print("compiled")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

@@ -1,0 +1,95 @@
+"""Skipping all-zero tiles (BlockConfig.skip_zero) changes no result, forward or backward.
+
+A skipped tile would have added exact zeros, so skip on and off must agree bit for bit, and both must
+match the float64 reference. A tile holding a NaN score is not all-zero and must not be skipped. The
+float32 cases load tiles through pointers, the float16 ones through TMA tensor descriptors (BlockConfig.tma).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_thresh.ops.reference import threshold_attention_weights
+from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs, _tma_ready, triton_backward, triton_forward
+from tests.ops.helpers import TOLERANCE, generator, randn, reference_with_grads, rel_err
+
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+BLOCK = 16
+
+
+def _configs(skip_zero: bool, block: int, tma: bool) -> KernelConfigs:
+    cfg = BlockConfig(block, block, skip_zero=skip_zero, tma=tma)
+    return KernelConfigs(cfg, cfg, cfg)
+
+
+def _sparse_inputs(gen, device, dtype, t: int, d: int):
+    """Unit q, k with a high threshold (beta 1.2: few scores pass) and a few planted aligned pairs, so
+    that most causal (query tile, key tile) pairs are all-zero and some are not."""
+    q = F.normalize(randn(gen, 1, 2, t, d, dtype=torch.float64), dim=-1)  # (1, 2, T, D)
+    k = F.normalize(randn(gen, 1, 2, t, d, dtype=torch.float64), dim=-1)
+    for i, j in ((t - 1, 3), (t // 2, t // 2 - 20), (t // 2 + 5, t // 2 + 3)):
+        k[:, :, j] = q[:, :, i]  # score 1 > tau (tau <= 1.2 * sqrt(2 ln(T) / D) < 1 here)
+    v = randn(gen, 1, 2, t, d, dtype=torch.float64)
+    beta = torch.tensor([1.2, 1.4], dtype=torch.float32)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)], beta.to(device)
+
+
+def _zero_tile_fraction(q, k, beta, block: int) -> float:
+    """Fraction of the causal (query tile, key tile) pairs whose weights are all 0."""
+    w = threshold_attention_weights(q.double(), k.double(), beta.double(), 2.0)  # (B, H, T, T)
+    t = w.shape[-1]
+    n = -(-t // block)
+    tiles = F.pad(w, (0, n * block - t, 0, n * block - t)).unflatten(-1, (n, block)).unflatten(-3, (n, block))
+    live = tiles.ne(0).any(-1).any(-2)  # (B, H, n, n): query tile, key tile
+    causal = torch.ones(n, n, dtype=torch.bool, device=w.device).tril()
+    return 1.0 - live[..., causal].float().mean().item()
+
+
+def _run_both(q, k, v, beta, dout, block, tma=False):
+    """(out, dq, dk, dv, dbeta) with skip_zero off, then on."""
+    results = []
+    for skip in (False, True):
+        cfgs = _configs(skip, block, tma)
+        out = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
+        results.append((out, *triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs)))
+    return results
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("sparse", [True, False], ids=["mostly_zero_tiles", "dense"])
+def test_skip_on_and_off_agree_and_match_reference(device, dtype, sparse):
+    gen = generator("skip", device, dtype, sparse)
+    t, d = 80, 16
+    if sparse:
+        (q, k, v), beta = _sparse_inputs(gen, device, dtype, t, d)
+        assert _zero_tile_fraction(q, k, beta, BLOCK) > 0.5, "the test must have mostly all-zero tiles"
+    else:
+        q, k, v = (randn(gen, 1, 2, t, d, dtype=dtype, device=device) for _ in range(3))
+        beta = torch.tensor([-0.5, 0.3], device=device)
+        assert _zero_tile_fraction(q, k, beta, BLOCK) == 0.0
+    dout = randn(gen, 1, 2, t, d, dtype=dtype, device=device)
+    tma = dtype == torch.float16
+    assert _tma_ready(q, k, v, dout), "the TMA case must not fall back to pointer loads"
+    off, on = _run_both(q, k, v, beta, dout, BLOCK, tma)
+    for a, b in zip(off, on):
+        assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"
+    ref, ref_grads = reference_with_grads(q, k, v, beta, 2.0, 1.0, dout)
+    for got, want in zip(on, (ref, *ref_grads)):
+        assert rel_err(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_nan_tile_is_not_skipped(device):
+    """A NaN query row inside an otherwise all-zero region gives NaN there, skip on or off."""
+    gen = generator("skip-nan", device)
+    (q, k, v), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
+    q[0, 0, 70] = float("nan")
+    dout = randn(gen, 1, 2, 80, 16, device=device)
+    for out, dq, dk, dv, dbeta in _run_both(q, k, v, beta, dout, BLOCK):
+        assert out[0, 0, 70].isnan().all() and not out[0, 0, :70].isnan().any() and not out[0, 1].isnan().any()
+        assert dq[0, 0, 70].isnan().all() and dbeta[0].isnan() and not dbeta[1].isnan()
+        assert dk[0, 0, :71].isnan().all() and dv[0, 0, :71].isnan().all() and not dv[0, 0, 71:].isnan().any()
+        assert not any(g[0, 1].isnan().any() for g in (out, dq, dk, dv))

@@ -1,0 +1,96 @@
+"""The benchmark's argument parsing, table and CSV on made-up timings (no GPU), and its error without CUDA."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+
+import pytest
+import torch
+
+from lit_thresh import bench
+from lit_thresh.bench import HostResult, Result, causal_fwd_flops, derived, format_table, parse_args, write_csv
+
+
+def _results() -> list[Result]:
+    point = dict(dtype="bfloat16", head_dim=128, seq_len=4096, batch=4, heads=16)
+    return [
+        Result("sdpa cudnn", **point, fwd_ms=1.0, fwd_bwd_ms=3.0, fwd_mib=32.0, fwd_bwd_mib=128.0),
+        Result("sdpa flash", **point, fwd_ms=1.25, fwd_bwd_ms=4.0, fwd_mib=32.0, fwd_bwd_mib=128.0),
+        Result("threshold p=2", **point, fwd_ms=0.8, fwd_bwd_ms=6.0, fwd_mib=32.0, fwd_bwd_mib=128.0),
+        Result("differential fused p=2", **point, fwd_ms=2.0, fwd_bwd_ms=8.0, maps=2),
+        Result("sdpa cudnn", **{**point, "seq_len": 1024, "batch": 16}, note="failed: not supported"),
+    ]
+
+
+def test_defaults_are_the_whole_grid():
+    args = parse_args([])
+    assert args.head_dims == [64, 128] and args.seq_lens == [1024, 2048, 4096, 8192, 16384]
+    assert args.dtypes == ["bfloat16", "float16"] and args.tokens == 16384 and args.heads == 16
+    assert args.zero_fractions == [0.5, 0.9, 0.99] and not args.quick and not args.sweep and args.csv is None
+
+
+def test_restricted_grid():
+    args = parse_args(["--head-dims", "128", "--seq-lens", "4096", "--dtypes", "bfloat16", "--quick", "--zero-fractions"])
+    assert (args.head_dims, args.seq_lens, args.dtypes, args.quick, args.zero_fractions) == ([128], [4096], ["bfloat16"], True, [])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq-lens", "3000"], "each T must divide --tokens"),
+        (["--head-dims", "300"], r"each D must be in \[1, 256\]"),
+        (["--head-dims", "0"], "must be a positive integer"),
+        (["--dtypes", "float32"], "invalid choice"),
+        (["--zero-fractions", "1.5"], r"each must be in \(0, 1\)"),
+    ],
+)
+def test_bad_arguments_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_derived_columns():
+    rows = {(r["variant"], r["seq_len"]): r for r in derived(_results())}
+    ours = rows[("threshold p=2", 4096)]
+    flops = causal_fwd_flops(4, 16, 4096, 128)
+    assert flops == 2 * 4 * 16 * 4096**2 * 128
+    assert ours["fwd_tflops"] == pytest.approx(flops / 0.8e-3 / 1e12)
+    assert ours["fwd_bwd_tflops"] == pytest.approx(3.5 * flops / 6.0e-3 / 1e12)
+    assert ours["fwd_x_cudnn"] == pytest.approx(1.25) and ours["fwd_x_flash"] == pytest.approx(1.5625)
+    assert ours["fwd_bwd_x_cudnn"] == pytest.approx(0.5) and ours["fwd_bwd_x_flash"] == pytest.approx(4.0 / 6.0)
+    fused = rows[("differential fused p=2", 4096)]
+    assert fused["fwd_tflops"] == pytest.approx(2 * flops / 2.0e-3 / 1e12)  # two maps
+    assert math.isnan(rows[("sdpa cudnn", 1024)]["fwd_tflops"])  # not measured stays NaN
+
+
+def test_table_has_one_line_per_result_and_dashes_for_missing():
+    lines = format_table(_results()).splitlines()
+    assert len(lines) == 1 + len(_results())
+    assert lines[0].split()[:5] == ["dtype", "D", "T", "B", "variant"]
+    ours = next(line for line in lines if "threshold p=2" in line)
+    assert "0.800" in ours and "1.25" in ours and "6.000" in ours and "0.50" in ours
+    failed = lines[-1]
+    assert failed.count(" - ") >= 8 and failed.endswith("failed: not supported")
+
+
+def test_csv_round_trip(tmp_path):
+    path = tmp_path / "bench.csv"
+    write_csv(str(path), _results(), [HostResult("threshold p=2 forward (no grad)", 14.5)])
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == len(_results()) + 1
+    ours = next(r for r in rows if r["variant"] == "threshold p=2")
+    assert float(ours["fwd_bwd_x_cudnn"]) == pytest.approx(0.5) and float(ours["fwd_bwd_mib"]) == 128.0
+    assert rows[-1]["variant"] == "threshold p=2 forward (no grad)" and float(rows[-1]["host_us"]) == 14.5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without CUDA")
+def test_without_cuda_exits_with_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--quick"])
+    assert exit_info.value.code == 2
+    assert "the benchmark needs a CUDA device" in capsys.readouterr().err
