@@ -29,7 +29,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lit_thresh.attention import Attention
-from lit_thresh.attention.base import causal_mask, check_int
+from lit_thresh.attention.base import causal_mask
+from lit_thresh.validation import check_int
 
 
 def zero_fraction(weights: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,14 @@ Positions: learned absolute embeddings, RoPE inside attention, or none (causal m
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 from torch import nn
 
-from lit_thresh.attention import Attention, AttentionFactory, KeyConv, KVCache, RotaryEmbedding, SoftmaxAttention
-from lit_thresh.attention.base import check_int
+from lit_thresh.attention import Attention, AttentionFactory, KVCache, RotaryEmbedding, SoftmaxAttention
+from lit_thresh.validation import check_finite_float, check_int
 
 Positional = Literal["rope", "learned", "none"]
 Norm = Literal["rmsnorm", "layernorm"]
@@ -61,63 +62,74 @@ class Block(nn.Module):
         return [self.attn.out_proj] + ([self.mlp.down_proj] if self.mlp is not None else [])
 
 
-class Transformer(nn.Module):
-    """Decoder-only language model: token ids (B, T) -> next-token logits (B, T, vocab_size).
+@dataclass
+class TransformerConfig:
+    """The Transformer's architecture (YAML: `model.config.<field>`); checked when built.
 
-    attention: builds each layer's attention as `attention(d_model, n_heads, layer_index,
-    n_kv_heads=n_kv_heads)`; positional: 'rope', 'learned' (max_seq_len positions) or 'none';
-    mlp_ratio: MLP hidden width / d_model, 0 = attention-only blocks (as Zoology's MQAR models);
-    dropout: on the embeddings and on each residual branch; key_conv: width of a depthwise causal
-    convolution over time on every attention layer's keys (attention.base.KeyConv), 0 = none;
+    vocab_size, max_seq_len: linked from the data by the CLI; attention: builds each layer's attention
+    as `attention(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads, key_conv=key_conv)` (YAML:
+    `attention: {class_path: ..., init_args: {...}}`); positional: 'rope', 'learned' (max_seq_len
+    positions) or 'none'; mlp_ratio: MLP hidden width / d_model, 0 = attention-only blocks (as Zoology's
+    MQAR models); dropout: on the embeddings and on each residual branch; key_conv: width of a depthwise
+    causal convolution over time on every attention layer's keys (attention.base.KeyConv), 0 = none;
     norm: 'rmsnorm' or 'layernorm' (bias-free, as nanoGPT) before each branch and the LM head.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        d_model: int = 128,
-        n_layers: int = 2,
-        n_heads: int = 1,
-        n_kv_heads: int | None = None,
-        attention: AttentionFactory = SoftmaxAttention,
-        positional: Positional = "rope",
-        max_seq_len: int = 1024,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
-        key_conv: int = 0,
-        norm: Norm = "rmsnorm",
-    ) -> None:
+    vocab_size: int
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 1
+    n_kv_heads: int | None = None
+    attention: AttentionFactory = SoftmaxAttention
+    positional: Positional = "rope"
+    max_seq_len: int = 1024
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    key_conv: int = 0
+    norm: Norm = "rmsnorm"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
+            check_int(name, getattr(self, name))
+        if self.norm not in get_args(Norm):
+            raise ValueError(f"norm must be one of {get_args(Norm)}, got {self.norm!r}")
+        if self.positional not in get_args(Positional):
+            raise ValueError(f"positional must be one of {get_args(Positional)}, got {self.positional!r}")
+        check_finite_float("mlp_ratio", self.mlp_ratio)
+        if self.mlp_ratio < 0:
+            raise ValueError(f"mlp_ratio must be >= 0 (0 = no MLP), got {self.mlp_ratio}")
+        check_finite_float("dropout", self.dropout)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: token ids (B, T) -> next-token logits (B, T, vocab_size), built from
+    a TransformerConfig."""
+
+    def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        check_int("key_conv", key_conv, minimum=0)
-        if norm not in get_args(Norm):
-            raise ValueError(f"norm must be one of {get_args(Norm)}, got {norm!r}")
-        if key_conv == 1:
-            raise ValueError("key_conv must be 0 (none) or a width >= 2, got 1")
-        for name, value in (("vocab_size", vocab_size), ("n_layers", n_layers), ("max_seq_len", max_seq_len)):
-            check_int(name, value)
-        if positional not in get_args(Positional):
-            raise ValueError(f"positional must be one of {get_args(Positional)}, got {positional!r}")
-        if not mlp_ratio >= 0:
-            raise ValueError(f"mlp_ratio must be >= 0 (0 = no MLP), got {mlp_ratio}")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.max_seq_len = max_seq_len
-        self.token_emb = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = nn.Embedding(max_seq_len, d_model) if positional == "learned" else None
-        self.rope = RotaryEmbedding() if positional == "rope" else None
-        self.dropout = nn.Dropout(dropout)
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        self.config = config
+        self.max_seq_len = config.max_seq_len
+        self.token_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.positional == "learned" else None
+        self.rope = RotaryEmbedding() if config.positional == "rope" else None
+        self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList()
-        for i in range(n_layers):
-            attn = attention(d_model, n_heads, i, n_kv_heads=n_kv_heads)
+        for i in range(config.n_layers):
+            attn = config.attention(
+                config.d_model, config.n_heads, i, n_kv_heads=config.n_kv_heads, key_conv=config.key_conv
+            )
             if not isinstance(attn, Attention):
                 raise TypeError(f"attention must build a lit_thresh.attention.Attention, got {type(attn).__name__}")
             if self.rope is not None and attn.qk_head_dim % 2:
                 raise ValueError(f"positional='rope' needs an even q/k head dim, got {attn.qk_head_dim}")
-            if key_conv:
-                attn.key_conv = KeyConv(attn.k_proj.out_features, key_conv)
-            self.blocks.append(Block(d_model, attn, round(mlp_ratio * d_model), dropout, norm))
-        self.norm = make_norm(norm, d_model)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+            mlp_hidden = round(config.mlp_ratio * config.d_model)
+            self.blocks.append(Block(config.d_model, attn, mlp_hidden, config.dropout, config.norm))
+        self.norm = make_norm(config.norm, config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.lm_head.weight = self.token_emb.weight  # weight tying
 
         # GPT-2 init: N(0, 0.02), residual projections N(0, 0.02 / sqrt(number of residual branches)).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Literal, get_args
@@ -14,39 +15,29 @@ from lightning.pytorch.plugins import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 from torch import nn
 
-from lit_thresh.attention import AttentionFactory, SoftmaxAttention
+from lit_thresh.lightning_compat import should_update_logs
 from lit_thresh.metrics import IGNORE_INDEX, token_metrics, update_token_metrics
-from lit_thresh.model import Norm, Positional, Transformer
+from lit_thresh.model import Transformer, TransformerConfig
 from lit_thresh.schedule import WarmupCosine
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]  # torch.compile's
 
 
 class LanguageModel(L.LightningModule):
-    """A Transformer (lit_thresh.model) trained with cross-entropy on batch["labels"] (-100 = ignored).
+    """A Transformer (lit_thresh.model) trained with cross-entropy on batch["labels"] (IGNORE_INDEX = not supervised).
 
-    Model arguments: see Transformer. compile: torch.compile the model (see configure_model); True or a
-    torch.compile mode, e.g. "reduce-overhead" (CUDA graphs). optimizer: called with two parameter
-    groups, the >= 2-D weights (decayed) and the rest (weight_decay 0); lr_scheduler: called with the
-    optimizer, stepped every step (None = constant lr). Logs `train/{loss,acc}` every
-    `log_every_n_steps` (see training_step) and `val/{loss,acc,ppl}` (`val/<name>/...` for the
-    DataModule's other `val_set_names`), same for test.
+    config: the Transformer's architecture (lit_thresh.model.TransformerConfig; YAML `model.config.*`).
+    compile: torch.compile the model (see configure_model); True or a torch.compile mode, e.g.
+    "reduce-overhead" (CUDA graphs). optimizer: called with two parameter groups, the >= 2-D weights
+    (decayed) and the rest (weight_decay 0); lr_scheduler: called with the optimizer, stepped every step
+    (None = constant lr; a WarmupCosine without max_steps lasts the trainer's max_steps, see
+    configure_optimizers). Logs `train/{loss,acc}` every `log_every_n_steps` (see training_step) and
+    `val/{loss,acc,ppl}` (`val/<name>/...` for the DataModule's other `val_set_names`), same for test.
     """
 
     def __init__(
         self,
-        vocab_size: int,
-        d_model: int = 128,
-        n_layers: int = 2,
-        n_heads: int = 1,
-        n_kv_heads: int | None = None,
-        attention: AttentionFactory = SoftmaxAttention,
-        positional: Positional = "rope",
-        max_seq_len: int = 1024,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
-        key_conv: int = 0,
-        norm: Norm = "rmsnorm",
+        config: TransformerConfig,
         compile: bool | CompileMode = False,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
@@ -55,25 +46,13 @@ class LanguageModel(L.LightningModule):
         if not isinstance(compile, bool) and compile not in get_args(CompileMode):
             raise ValueError(f"compile must be true, false or one of {get_args(CompileMode)}, got {compile!r}")
         self.save_hyperparameters()
-        self.model = Transformer(
-            vocab_size=vocab_size,
-            d_model=d_model,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            attention=attention,
-            positional=positional,
-            max_seq_len=max_seq_len,
-            mlp_ratio=mlp_ratio,
-            dropout=dropout,
-            key_conv=key_conv,
-            norm=norm,
-        )
+        self.model = Transformer(config)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self.train_metrics = token_metrics(vocab_size, training=True)  # perplexity = exp(train/loss)
+        self.train_metrics = token_metrics(config.vocab_size, training=True)  # perplexity = exp(train/loss)
         self.eval_metrics = nn.ModuleDict()  # "val" / "test" -> one token_metrics per data set, see setup
         self.eval_prefixes: dict[str, list[str]] = {}
         self.last_batch_shape: tuple[int, int] | None = None  # (B, T) of the last step, for flops_per_batch
+        self.train_seq_len: int | None = None  # the DataModule's training length, see setup and _compiled
 
     def setup(self, stage: str) -> None:
         """One set of metrics per validation and test set, named by the DataModule's
@@ -81,29 +60,41 @@ class LanguageModel(L.LightningModule):
         The DataModule's lengths are checked first (check_data_lengths)."""
         data = self.trainer.datamodule
         self.check_data_lengths(data)
+        self.train_seq_len = getattr(data, "train_seq_len", None)
         for split in ("val", "test"):
             names = getattr(data, f"{split}_set_names", None) or [split]
             self.eval_prefixes[split] = [split] + [f"{split}/{name}" for name in names[1:]]
-            self.eval_metrics[split] = nn.ModuleList(token_metrics(self.hparams.vocab_size) for _ in names)
+            self.eval_metrics[split] = nn.ModuleList(token_metrics(self.model.config.vocab_size) for _ in names)
 
     def check_data_lengths(self, data: object) -> None:
         """With learned positions, refuses a DataModule whose `max_seq_len` exceeds its `train_seq_len`
         (length test sets): positions beyond the training length were never trained."""
         train_len, longest = getattr(data, "train_seq_len", None), getattr(data, "max_seq_len", None)
-        if self.hparams.positional == "learned" and train_len is not None and longest > train_len:
+        if self.model.config.positional == "learned" and train_len is not None and longest > train_len:
             raise ValueError(
                 f"positional='learned' cannot evaluate sequences of {longest} tokens after training on "
                 f"{train_len}: learned absolute positions cannot extrapolate beyond the training length. "
-                "Use --model.positional rope or none, or set the data's test_length_multipliers to []."
+                "Use --model.config.positional rope or none, or set the data's test_length_multipliers to []."
             )
 
     def configure_model(self) -> None:
         """With `compile`, torch.compile the Transformer in place (same parameter names, so checkpoints
         load either way): fused kernels and far fewer launches, on GPU mostly; compiles on first use.
         "reduce-overhead" also replays the forward and backward passes as CUDA graphs: one launch each,
-        for small models whose steps the CPU's kernel launches would otherwise pace."""
+        for small models whose steps the CPU's kernel launches would otherwise pace. What is not compiled
+        runs eagerly (see _compiled): batches of another length than the training one (the length test
+        sets: each new length would compile and record its graphs again) and KV-cache generation."""
         if self.hparams.compile:
             self.model.compile(mode=None if self.hparams.compile is True else self.hparams.compile)
+
+    def _compiled(self, seq_len: int | None) -> contextlib.AbstractContextManager:
+        """The context a forward pass of `seq_len` tokens runs in: the compiled model for the training
+        length, else eagerly (torch.compiler.set_stance("force_eager")); None: eagerly (generation)."""
+        if not self.hparams.compile:
+            return contextlib.nullcontext()
+        if seq_len is not None and self.train_seq_len in (None, seq_len):
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("force_eager")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> next-token logits (B, T, V)."""
@@ -113,9 +104,10 @@ class LanguageModel(L.LightningModule):
         """The batch's loss; feeds the batch to `metrics`."""
         labels = batch["labels"]  # (B, T)
         self.last_batch_shape = tuple(labels.shape)
-        if self.hparams.compile in ("reduce-overhead", "max-autotune"):  # the modes that use CUDA graphs
-            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs are done with
-        logits = self(batch["input_ids"])  # (B, T, V)
+        with self._compiled(labels.shape[1]):
+            if self.hparams.compile in ("reduce-overhead", "max-autotune"):  # the modes that use CUDA graphs
+                torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs are done with
+            logits = self(batch["input_ids"])  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         update_token_metrics(metrics, loss, logits, labels)
         return loss
@@ -132,8 +124,7 @@ class LanguageModel(L.LightningModule):
         if self.last_batch_shape is None:
             return None
         batch, seq_len = self.last_batch_shape
-        hp = self.hparams
-        per_token = 2 * self.n_params + 4 * hp.n_layers * hp.d_model * seq_len
+        per_token = 2 * self.n_params + 4 * self.model.config.n_layers * self.model.config.d_model * seq_len
         return (3 if self.training else 1) * per_token * batch * seq_len
 
     def _eval_step(self, batch: dict[str, torch.Tensor], split: str, dataloader_idx: int) -> None:
@@ -156,7 +147,7 @@ class LanguageModel(L.LightningModule):
         of GPU work needs (the CLI's TrainLossProgressBar shows the loss of the logged steps)."""
         loss = self._step(batch, self.train_metrics)
         trainer = self.trainer
-        if trainer._logger_connector.should_update_logs or trainer.is_last_batch:  # Lightning's test for writing
+        if should_update_logs(trainer) or trainer.is_last_batch:  # Lightning's test for writing
             for name, metric in self.train_metrics.items():
                 self.log(f"train/{name}", metric.compute(), on_step=True, on_epoch=False)
                 metric.reset()
@@ -175,8 +166,10 @@ class LanguageModel(L.LightningModule):
     def generate(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
     ) -> torch.Tensor:
-        """Continues the prompts idx (B, T) by max_new_tokens tokens with a KV cache; see Transformer.generate."""
-        return self.model.generate(idx, max_new_tokens, temperature, top_k)
+        """Continues the prompts idx (B, T) by max_new_tokens tokens with a KV cache; see Transformer.generate.
+        Eager under `compile`: every step has another length."""
+        with self._compiled(None):
+            return self.model.generate(idx, max_new_tokens, temperature, top_k)
 
     def on_train_start(self) -> None:
         rank_zero_info(f"{type(self.model.blocks[0].attn).__name__} model: {self.n_params:,} parameters")

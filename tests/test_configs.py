@@ -1,4 +1,7 @@
-"""Every YAML under configs/ parses and trains a few steps on CPU (tiny overrides, nothing downloaded)."""
+"""Every YAML under configs/ parses and trains a few steps on CPU (tiny overrides, nothing downloaded).
+
+Three kinds: whole configs; group pieces in configs/<group>/ (`--data configs/data/mqar.yaml`); and
+variant pieces next to a `base.yaml`, trained as `--config <dir>/base.yaml --config <piece>`."""
 
 import random
 from pathlib import Path
@@ -6,12 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_thresh import compare
-from lit_thresh.cli import main
+from lit_thresh.compare import plan
+from lit_thresh.cli import build_cli, main
+from lit_thresh.schedule import WarmupCosine
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 COMPARES = sorted((CONFIGS / "compare").glob("*.yaml"))  # `lit_thresh compare` configs
-YAMLS = sorted(set(CONFIGS.rglob("*.yaml")) - set(COMPARES))
+BASES = sorted(CONFIGS.rglob("base.yaml"))  # completed by the variant pieces next to them
+YAMLS = sorted(set(CONFIGS.rglob("*.yaml")) - set(COMPARES) - set(BASES))
 GROUPS = ("trainer", "model", "data")
 TINY_TRAINER = [
     "--trainer.accelerator=cpu",
@@ -35,8 +40,14 @@ def is_piece(path: Path) -> bool:
     return not set(GROUPS) & set(yaml.safe_load(path.read_text()))
 
 
+def config_files(path: Path) -> list[Path]:
+    """The configs that make the run of `path`: its base.yaml first if it is a variant piece."""
+    base = path.parent / "base.yaml"
+    return [base, path] if base.is_file() else [path]
+
+
 def data_class_path(path: Path) -> str:
-    data = yaml.safe_load(path.read_text())["data"]
+    data = yaml.safe_load(config_files(path)[0].read_text())["data"]
     if isinstance(data, str):  # a nested piece, relative to the config
         data = yaml.safe_load((path.parent / data).read_text())
     return data["class_path"]
@@ -75,9 +86,13 @@ def tiny_data(path: Path, workdir: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", [p for p in YAMLS if not is_piece(p)], ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_config_trains(path, offline_cpu):
-    args = ["--config", str(path), *TINY_TRAINER, *tiny_data(path, offline_cpu)]
-    main(["fit", *args])
+    configs = [arg for config in config_files(path) for arg in ("--config", str(config))]
+    args = [*configs, *TINY_TRAINER, *tiny_data(path, offline_cpu)]
+    cli = build_cli(["fit", *args])
     assert list(offline_cpu.glob("lightning_logs/**/events.out.tfevents.*"))
+    for config in cli.trainer.lr_scheduler_configs:  # the cosine lasts --trainer.max_steps, as run
+        if isinstance(config.scheduler, WarmupCosine):
+            assert config.scheduler.max_steps == 2
     if data_class_path(path).endswith("MQARDataModule"):
         main(["test", *args])  # the length test sets run past the training length
 
@@ -92,14 +107,37 @@ def test_piece_parses(path, capsys):
     assert yaml.safe_load(capsys.readouterr().out)[group]
 
 
+def covering_runs(cfg) -> list[plan.Run]:
+    """Few runs of a comparison that together hold every variant and every grid value."""
+    runs, seen = [], set()
+    for run in plan.expand(cfg):
+        new = {run.variant, *run.cell} - seen
+        if new:
+            runs.append(run)
+            seen |= new
+    return runs
+
+
 @pytest.mark.parametrize("path", COMPARES, ids=lambda p: p.name)
-def test_compare_config_variants_parse(path, capsys):
-    """Every variant of a comparison is a valid `lit_thresh fit` configuration."""
-    cfg = compare.parse(["--config", str(path)])
+def test_compare_config_runs_parse(path, capsys):
+    """Every variant and grid value of a comparison makes a valid `lit_thresh fit` configuration."""
+    cfg = plan.parse(["--config", str(path)])
     assert cfg.variants and cfg.seeds
-    for variant in cfg.variants:
+    for run in covering_runs(cfg):
         with pytest.raises(SystemExit) as exit_info:
-            main(["fit", *compare.variant_args(cfg, variant), "--print_config"])
-        assert exit_info.value.code in (0, None), variant
+            main(["fit", *plan.run_args(cfg, run), "--print_config"])
+        assert exit_info.value.code in (0, None), run.name
         printed = yaml.safe_load(capsys.readouterr().out)
-        assert printed["model"]["attention"]["class_path"].lower().endswith(variant.replace("_", "") + "attention")
+        attention = printed["model"]["config"]["attention"]["class_path"]
+        assert attention.lower().endswith(run.variant.replace("_", "") + "attention"), run.name
+
+
+def test_zoology_exact_model_is_expressible(offline_cpu):
+    """Zoology's MQAR model: learned positions over the data's 256 tokens, no key conv, 2 layers, 1 head, no MLP."""
+    overrides = ["--model.config.positional=learned", "--model.config.key_conv=0"]
+    args = ["--config", str(CONFIGS / "mqar" / "base.yaml"), *overrides, "--data.init_args.test_length_multipliers=[]"]
+    cli = build_cli([*args, *TINY_TRAINER], run=False)  # after_instantiate_classes checks the lengths
+    model = cli.model.model
+    assert model.pos_emb.num_embeddings == cli.datamodule.max_seq_len == 256
+    assert len(model.blocks) == 2
+    assert all(block.attn.n_heads == 1 and block.attn.key_conv is None and block.mlp is None for block in model.blocks)

@@ -35,7 +35,7 @@ from lit_thresh.diagnostics import (
     sink_mass,
     zero_fraction,
 )
-from lit_thresh.model import Transformer
+from lit_thresh.model import Transformer, TransformerConfig
 from lit_thresh.module import LanguageModel
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
@@ -173,7 +173,8 @@ def test_diagnostic_values(cls, kwargs):
 @pytest.mark.parametrize("cls,kwargs", VARIANTS[::2], ids=IDS[::2])
 def test_record_attention_maps(cls, kwargs):
     torch.manual_seed(0)
-    model = Transformer(37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=cls, key_conv=2).double()
+    config = TransformerConfig(37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=cls, key_conv=2)
+    model = Transformer(config).double()
     idx = torch.randint(0, 37, (3, 11), generator=generator(3))
     model.train()
     maps = record_attention_maps(model, idx)
@@ -248,7 +249,8 @@ def fit(tmp_path, attention, callback: AttentionDiagnostics) -> tuple[LanguageMo
         batch_size=8,
     )
     torch.manual_seed(0)
-    model = LanguageModel(32, d_model=32, n_layers=2, n_heads=2, attention=attention, mlp_ratio=0, max_seq_len=16)
+    config = TransformerConfig(32, d_model=32, n_layers=2, n_heads=2, attention=attention, mlp_ratio=0, max_seq_len=16)
+    model = LanguageModel(config)
     logger = TensorBoardLogger(tmp_path, name="run", default_hp_metric=False)
     trainer = L.Trainer(
         accelerator="cpu",

@@ -18,7 +18,7 @@ from lit_thresh.attention import (
     SoftmaxAttention,
     ThresholdAttention,
 )
-from lit_thresh.model import Transformer
+from lit_thresh.model import Transformer, TransformerConfig
 
 VARIANTS = [SoftmaxAttention, ThresholdAttention, DiffThresholdAttention, DiffSoftmaxAttention]
 VOCAB = 11
@@ -27,7 +27,7 @@ VOCAB = 11
 def make(attention=SoftmaxAttention, **kwargs) -> Transformer:
     torch.manual_seed(0)
     config = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention, max_seq_len=16) | kwargs
-    return Transformer(VOCAB, **config).double()
+    return Transformer(TransformerConfig(VOCAB, **config)).double()
 
 
 def tokens(b=2, t=10) -> torch.Tensor:
@@ -96,7 +96,7 @@ def test_no_mlp_blocks_and_tied_head():
 
 def test_gpt2_init():
     torch.manual_seed(0)
-    model = Transformer(1000, d_model=256, n_layers=4, n_heads=4, mlp_ratio=4.0)
+    model = Transformer(TransformerConfig(1000, d_model=256, n_layers=4, n_heads=4, mlp_ratio=4.0))
     residual_std = 0.02 / math.sqrt(2 * 4)
     assert model.token_emb.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert model.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
@@ -104,12 +104,13 @@ def test_gpt2_init():
     assert model.blocks[3].mlp.down_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
 
 
-def test_attention_factory_gets_the_layer_index_and_kv_heads():
-    model = Transformer(
-        VOCAB, 32, n_layers=3, n_heads=4, n_kv_heads=1, attention=functools.partial(ThresholdAttention, beta=0.5)
-    )
+def test_attention_factory_gets_the_layer_index_kv_heads_and_key_conv():
+    attention = functools.partial(ThresholdAttention, beta=0.5)
+    config = TransformerConfig(VOCAB, 32, n_layers=3, n_heads=4, n_kv_heads=1, attention=attention, key_conv=3)
+    model = Transformer(config)
     assert [block.attn.layer_index for block in model.blocks] == [0, 1, 2]
     assert all(block.attn.n_kv_heads == 1 for block in model.blocks)
+    assert all(block.attn.key_conv.weight.shape == (8, 3) for block in model.blocks)  # (Hkv * Dh, width)
     assert model.blocks[2].attn.threshold.beta.eq(0.5).all()
 
 
@@ -128,6 +129,9 @@ def test_learned_positions_stop_at_max_seq_len():
         ({"n_layers": 0}, ValueError, "n_layers"),
         ({"positional": "alibi"}, ValueError, "positional"),
         ({"mlp_ratio": -1.0}, ValueError, "mlp_ratio"),
+        ({"mlp_ratio": float("nan")}, ValueError, "mlp_ratio"),
+        ({"d_model": 32.0}, TypeError, "d_model"),
+        ({"norm": "batchnorm"}, ValueError, "norm"),
         ({"dropout": 1.0}, ValueError, "dropout"),
         ({"key_conv": 1}, ValueError, "key_conv"),
         ({"key_conv": -2}, ValueError, "key_conv"),
@@ -139,7 +143,12 @@ def test_learned_positions_stop_at_max_seq_len():
 def test_bad_arguments_are_named(kwargs, error, match):
     config = dict(vocab_size=VOCAB, d_model=32, n_heads=4) | kwargs
     with pytest.raises(error, match=match):
-        Transformer(**config)
+        Transformer(TransformerConfig(**config))
+
+
+def test_transformer_takes_a_config_only():
+    with pytest.raises(TypeError, match="config must be a TransformerConfig, got dict"):
+        Transformer({"vocab_size": VOCAB})
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader
 
 from lit_thresh.attention import DiffSoftmaxAttention, DiffThresholdAttention, SoftmaxAttention, ThresholdAttention
 from lit_thresh.data import MQARDataModule, MQARSetting
+from lit_thresh.metrics import IGNORE_INDEX
+from lit_thresh.model import TransformerConfig
 from lit_thresh.module import LanguageModel
 from lit_thresh.schedule import WarmupCosine
 
@@ -30,7 +32,7 @@ def batches(n: int = 8, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     starts = torch.randint(0, VOCAB, (n, 1), generator=torch.Generator().manual_seed(seed))
     ids = (starts + torch.arange(SEQ + 1)) % VOCAB  # (n, SEQ + 1)
     labels = ids[:, 1:].clone()
-    labels[:, :2] = -100  # unsupervised positions
+    labels[:, :2] = IGNORE_INDEX  # unsupervised positions
     return [{"input_ids": x, "labels": y} for x, y in zip(ids[:, :-1], labels, strict=True)]
 
 
@@ -60,9 +62,11 @@ def trainer(tmp_path, **kwargs) -> L.Trainer:
     return L.Trainer(**(config | kwargs))
 
 
-def model(**kwargs) -> LanguageModel:
+def model(compile=False, optimizer=torch.optim.AdamW, lr_scheduler=WarmupCosine, **config) -> LanguageModel:
+    """A small LanguageModel; `config`: TransformerConfig fields over the defaults here."""
     torch.manual_seed(0)
-    return LanguageModel(**(dict(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, max_seq_len=SEQ) | kwargs))
+    config = TransformerConfig(**(dict(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, max_seq_len=SEQ) | config))
+    return LanguageModel(config, compile=compile, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
 
 def loss_on(module: LanguageModel, data: list[dict[str, torch.Tensor]]) -> float:
@@ -94,7 +98,7 @@ def test_training_metrics_are_token_means_since_the_last_write(tmp_path):
     all batches since the previous one; lr 0 keeps the weights, so the losses can be recomputed."""
     data = batches(n=20)
     for i, sample in enumerate(data):  # unequal numbers of supervised tokens per batch
-        sample["labels"][2 : 2 + i % 5] = -100
+        sample["labels"][2 : 2 + i % 5] = IGNORE_INDEX
     module = model(optimizer=functools.partial(torch.optim.SGD, lr=0.0), lr_scheduler=None)
     logger = L.pytorch.loggers.CSVLogger(tmp_path, name="csv")
     fit = trainer(tmp_path, max_epochs=1, log_every_n_steps=3, logger=logger)
@@ -130,7 +134,7 @@ def test_metric_values(tmp_path):
     batch = torch.utils.data.default_collate(data)
     with torch.no_grad():
         logits = module(batch["input_ids"])
-    supervised = batch["labels"] != -100
+    supervised = batch["labels"] != IGNORE_INDEX
     loss = torch.nn.functional.cross_entropy(logits[supervised], batch["labels"][supervised])
     acc = (logits.argmax(-1)[supervised] == batch["labels"][supervised]).float().mean()
     assert logged["val/loss"] == pytest.approx(loss.item(), rel=1e-5)
@@ -230,7 +234,7 @@ def test_attention_from_yaml(cls, class_path):
         "n_kv_heads": 2,
         "attention": {"class_path": path, "init_args": ATTENTION_YAML[cls]},
     }
-    module = parser.instantiate(parser.parse_string(yaml.safe_dump({"model": config}))).model
+    module = parser.instantiate(parser.parse_string(yaml.safe_dump({"model": {"config": config}}))).model
     attn, expected = module.model.blocks[1].attn, cls(32, 4, 1, n_kv_heads=2, **ATTENTION_YAML[cls])
     assert type(attn) is cls and repr(attn) == repr(expected)  # extra_repr shows the variant kwargs
     if hasattr(expected, "threshold"):
@@ -244,10 +248,12 @@ def test_lightning_cli_fit_then_reload_checkpoint(tmp_path, monkeypatch):
         yaml.safe_dump(
             {
                 "model": {
-                    "vocab_size": VOCAB,
-                    "d_model": 32,
-                    "n_heads": 2,
-                    "attention": {"class_path": "DiffThresholdAttention", "init_args": {"beta": 0.5}},
+                    "config": {
+                        "vocab_size": VOCAB,
+                        "d_model": 32,
+                        "n_heads": 2,
+                        "attention": {"class_path": "DiffThresholdAttention", "init_args": {"beta": 0.5}},
+                    },
                     "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}},
                     "lr_scheduler": {
                         "class_path": "lit_thresh.schedule.WarmupCosine",
@@ -309,7 +315,8 @@ def test_learned_positions_refuse_longer_test_sets(tmp_path, stage):
     module = model(vocab_size=32, max_seq_len=data.max_seq_len, positional="learned")
     message = (
         r"positional='learned' cannot evaluate sequences of 64 tokens after training on 16: learned absolute "
-        r"positions cannot extrapolate .* --model.positional rope or none, or set the data's test_length_multipliers"
+        r"positions cannot extrapolate .* --model.config.positional rope or none, or set the data's "
+        r"test_length_multipliers"
     )
     with pytest.raises(ValueError, match=message):
         getattr(trainer(tmp_path, max_steps=1), stage)(module, data)
@@ -340,6 +347,25 @@ def test_compile_mode_goes_to_torch_compile(monkeypatch, compile, mode):
     assert seen == {"mode": mode}
     with pytest.raises(ValueError, match="compile must be true, false or one of"):
         model(compile="fast")
+
+
+def test_compiled_model_runs_other_lengths_and_generation_eagerly():
+    """Under compile, the training length runs compiled; another length (a length test set) and KV-cache
+    generation run eagerly instead of compiling once more."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    module = model(compile=True)
+    counter = CompileCounter()
+    module.model.compile(backend=counter)  # what configure_model does, with a counting backend
+    module.train_seq_len = SEQ  # as setup sets it from the DataModule
+    short = {name: t[: SEQ // 2] for name, t in batches()[0].items()}  # (SEQ // 2,) each
+    module._step({k: v.unsqueeze(0) for k, v in short.items()}, module.train_metrics)
+    list(module.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4))
+    assert counter.frame_count == 0
+    module._step({k: v.unsqueeze(0) for k, v in batches()[0].items()}, module.train_metrics)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("norm,cls", [("rmsnorm", torch.nn.RMSNorm), ("layernorm", torch.nn.LayerNorm)])

@@ -13,7 +13,6 @@ last Tq of the Tk positions (Tq < Tk when decoding with a KV cache); attention i
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -21,21 +20,7 @@ from typing import ClassVar, Protocol
 import torch
 from torch import nn
 
-
-def check_int(name: str, value: int, minimum: int = 1) -> None:
-    """Raises TypeError/ValueError naming `name` unless value is an int >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def check_finite_float(name: str, value: float, *, positive: bool = False) -> None:
-    """Raises TypeError/ValueError naming `name` unless value is a finite real (> 0 when `positive`)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{name} must be a finite float{' > 0' if positive else ''}, got {value}")
+from lit_thresh.validation import check_finite_float, check_int
 
 
 def causal_mask(tq: int, tk: int, device: torch.device) -> torch.Tensor:
@@ -124,18 +109,24 @@ class Attention(nn.Module, ABC):
 
     d_model: model width; n_heads: query heads (d_model % n_heads == 0); layer_index: depth of the
     layer (0 = first), for variants whose initialisation depends on it; n_kv_heads: key/value heads
-    (divides n_heads; default n_heads). The projections have no bias.
+    (divides n_heads; default n_heads); key_conv: width of a causal convolution on the keys (KeyConv),
+    0 = none. The projections have no bias. A variant passes n_kv_heads and key_conv on to this class.
     """
 
     qk_groups: ClassVar[int] = 1  # (q, k) pairs per head sharing one v
     max_head_dim: ClassVar[int | None] = None  # the largest head dim Dh `attend` takes; None = any
 
-    def __init__(self, d_model: int, n_heads: int, layer_index: int = 0, *, n_kv_heads: int | None = None) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, layer_index: int = 0, *, n_kv_heads: int | None = None, key_conv: int = 0
+    ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             check_int(name, value)
         check_int("layer_index", layer_index, minimum=0)
+        check_int("key_conv", key_conv, minimum=0)
+        if key_conv == 1:
+            raise ValueError("key_conv must be 0 (none) or a width >= 2, got 1")
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if n_heads % n_kv_heads:
@@ -158,7 +149,7 @@ class Attention(nn.Module, ABC):
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
-        self.key_conv: KeyConv | None = None  # set by Transformer(key_conv=width)
+        self.key_conv = KeyConv(n_kv_heads * head_dim, key_conv) if key_conv else None
         self.record_weights = False  # when set, forward stores its attention map in `last_weights`
         self.last_weights: torch.Tensor | None = None  # (B, H, Tq, Tk)
 
@@ -209,6 +200,9 @@ class AttentionFactory(Protocol):
     """Builds one layer's attention: a variant class, or (from a config) the class with its kwargs bound.
 
     YAML: `attention: {class_path: lit_thresh.attention.ThresholdAttention, init_args: {beta: 1.0}}`.
+    The Transformer gives the arguments below; a config sets the variant's own (init_args).
     """
 
-    def __call__(self, d_model: int, n_heads: int, layer_index: int, *, n_kv_heads: int | None = None) -> Attention: ...
+    def __call__(
+        self, d_model: int, n_heads: int, layer_index: int, *, n_kv_heads: int | None = None, key_conv: int = 0
+    ) -> Attention: ...

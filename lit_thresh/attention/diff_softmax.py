@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lit_thresh.attention.base import check_finite_float
 from lit_thresh.attention.differential import DifferentialAttention
 from lit_thresh.attention.softmax import causal_sdpa, causal_softmax_weights
+from lit_thresh.validation import check_finite_float
 
 
 class DiffSoftmaxAttention(DifferentialAttention):
@@ -22,9 +22,10 @@ class DiffSoftmaxAttention(DifferentialAttention):
         layer_index: int = 0,
         *,
         n_kv_heads: int | None = None,
+        key_conv: int = 0,
         scale: float | None = None,
     ) -> None:
-        super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads)
+        super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads, key_conv=key_conv)
         if scale is not None:
             check_finite_float("scale", scale, positive=True)
         self.scale = scale

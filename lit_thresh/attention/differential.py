@@ -22,8 +22,10 @@ class DifferentialAttention(Attention):
 
     qk_groups = 2
 
-    def __init__(self, d_model: int, n_heads: int, layer_index: int = 0, *, n_kv_heads: int | None = None) -> None:
-        super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads)
+    def __init__(
+        self, d_model: int, n_heads: int, layer_index: int = 0, *, n_kv_heads: int | None = None, key_conv: int = 0
+    ) -> None:
+        super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads, key_conv=key_conv)
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
         # (Dq,) each, N(0, 0.1) as in the paper's code
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (

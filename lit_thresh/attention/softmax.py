@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lit_thresh.attention.base import Attention, causal_mask, check_finite_float
+from lit_thresh.attention.base import Attention, causal_mask
+from lit_thresh.validation import check_finite_float
 
 
 def causal_sdpa(
@@ -46,10 +47,11 @@ class SoftmaxAttention(Attention):
         layer_index: int = 0,
         *,
         n_kv_heads: int | None = None,
+        key_conv: int = 0,
         scale: float | None = None,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads)
+        super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads, key_conv=key_conv)
         if scale is not None:
             check_finite_float("scale", scale, positive=True)
         check_finite_float("dropout", dropout)

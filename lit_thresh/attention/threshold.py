@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_thresh.attention.base import Attention, check_finite_float
+from lit_thresh.attention.base import Attention
 from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.api import MAX_HEAD_DIM
 from lit_thresh.ops.reference import threshold_attention_weights
+from lit_thresh.validation import check_finite_float
 
 
 class ThresholdMap(nn.Module):
@@ -75,6 +76,7 @@ class ThresholdAttention(Attention):
         layer_index: int = 0,
         *,
         n_kv_heads: int | None = None,
+        key_conv: int = 0,
         beta: float = 1.0,
         learn_beta: bool = True,
         power: float = 2.0,
@@ -82,7 +84,7 @@ class ThresholdAttention(Attention):
         out_norm: bool = True,
         scale: float = 1.0,
     ) -> None:
-        super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads)
+        super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads, key_conv=key_conv)
         self.threshold = ThresholdMap(
             n_heads, beta=beta, learn_beta=learn_beta, power=power, qk_norm=qk_norm, scale=scale
         )

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 from lit_thresh.data.batched import TensorRows, batched_loader_options
 from lit_thresh.data.resumable import ResumableDataModule, seeded_loader
+from lit_thresh.metrics import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 _SPLITS = ("train", "val", "test")
 
 

@@ -1,6 +1,6 @@
 """A training order that is a function of (seed, epoch) and that a checkpoint resumes mid-epoch."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,37 +70,69 @@ class ResumableSampler(DistributedSampler):
         self.epoch, self.batches_done = state["epoch"], state["batches_done"]
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader over a :class:`ResumableSampler` whose position Lightning keeps in checkpoints: having
+    ``state_dict`` / ``load_state_dict``, it is a resumable loader to Lightning's fit loop, which saves its
+    state with the loop's and loads it into the loader before a resumed run's first batch.
+
+    ``epoch_batches``: the batches an epoch takes (default: its length); a position at or past it is saved
+    as the start of the next epoch.
+    """
+
+    epoch_batches: Callable[[], int | float] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        order = self.sampler.state_dict()
+        epoch_batches = self.epoch_batches() if self.epoch_batches is not None else len(self)
+        if order["batches_done"] >= epoch_batches:  # the epoch is over: resume at the next
+            order |= {"epoch": order["epoch"] + 1, "batches_done": 0}
+        return {"train_order": order}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state_dict["train_order"])
+
+
 class ResumableDataModule(LightningDataModule):
     """A LightningDataModule whose training order is a :class:`ResumableSampler` kept in checkpoints.
 
-    ``resumable_loader`` builds the training DataLoader. The DataModule counts the training batches the
-    loop takes (``on_before_batch_transfer``: Lightning's one-batch prefetch is not counted) and saves the
-    position in every checkpoint, so a run resumed mid-epoch gets the batches an uninterrupted run would
-    have had next. DataLoaders should carry their own ``generator`` so that creating their iterators
-    does not draw from the global RNG (which then feeds only the model, e.g. dropout).
+    ``resumable_loader`` builds the training DataLoader (a :class:`ResumableLoader`). The DataModule
+    counts the training batches the loop takes (``on_before_batch_transfer``: Lightning's one-batch
+    prefetch is not counted) and the loader's state, saved in every checkpoint, holds the position, so a
+    run resumed mid-epoch gets the batches an uninterrupted run would have had next. DataLoaders should
+    carry their own ``generator`` so that creating their iterators does not draw from the global RNG
+    (which then feeds only the model, e.g. dropout).
     """
 
     train_sampler: ResumableSampler | None = None
-    _saved_order: dict[str, int] | None = None
+    _train_loader: ResumableLoader | None = None
+    _saved_order: dict[str, Any] | None = None  # a checkpoint's loader state, for the next resumable_loader
 
-    def resumable_loader(self, dataset: Dataset, batch_size: int, seed: int, **loader_kwargs: Any) -> DataLoader:
-        """A training DataLoader over ``dataset`` in the order of ``seed``, at the checkpoint's position."""
+    def resumable_loader(
+        self, dataset: Dataset, batch_size: int, seed: int, **loader_kwargs: Any
+    ) -> ResumableLoader:
+        """A training DataLoader over ``dataset`` in the order of ``seed``, at a loaded checkpoint's position."""
         ranks = (self.trainer.distributed_sampler_kwargs if self.trainer else None) or {}
         self.train_sampler = ResumableSampler(dataset, batch_size, seed=seed, **ranks)
+        generator = torch.Generator().manual_seed(seed)
+        loader = ResumableLoader(
+            dataset, batch_size=batch_size, generator=generator, sampler=self.train_sampler, **loader_kwargs
+        )
+        if self.trainer is not None:
+            loader.epoch_batches = lambda: self.trainer.num_training_batches
         if self._saved_order is not None:
-            self.train_sampler.load_state_dict(self._saved_order)
+            loader.load_state_dict(self._saved_order)
             self._saved_order = None
-        return seeded_loader(dataset, batch_size, seed, sampler=self.train_sampler, **loader_kwargs)
+        self._train_loader = loader
+        return loader
 
     def order_settings(self) -> dict[str, int]:
         """The settings of the training order known before ``setup``: ``seed`` and ``batch_size``."""
         raise NotImplementedError(f"{type(self).__name__} must give its order_settings")
 
-    def check_resume(self, saved_state: dict[str, Any], num_replicas: int) -> None:
-        """Raises ValueError, before anything runs, when the checkpoint's training order (``saved_state``:
-        this DataModule's state in it) was made with another seed, batch size or number of ranks."""
-        if "train_order" in saved_state:
-            check_order_settings(saved_state["train_order"], self.order_settings() | {"num_replicas": num_replicas})
+    def check_resume(self, saved_order: dict[str, int], num_replicas: int) -> None:
+        """Raises ValueError, before anything runs, when a checkpoint's training order (``saved_order``: the
+        ``train_order`` of this DataModule's state in it) was made with another seed, batch size or ranks."""
+        check_order_settings(saved_order, self.order_settings() | {"num_replicas": num_replicas})
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if self.trainer is not None and self.trainer.training and self.train_sampler is not None:
@@ -108,12 +140,10 @@ class ResumableDataModule(LightningDataModule):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        if self.train_sampler is None or self.trainer is None:
-            return {}
-        order = self.train_sampler.state_dict()
-        if order["batches_done"] >= self.trainer.num_training_batches:  # the epoch is over: resume at the next
-            order |= {"epoch": order["epoch"] + 1, "batches_done": 0}
-        return {"train_order": order}
+        """The training loader's state, also kept here: Lightning loads the DataModule's state before a
+        model's configure_optimizers may build the loader (``estimated_stepping_batches``), and the
+        loader's own state only after, into a loader built already."""
+        return self._train_loader.state_dict() if self._train_loader is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._saved_order = state_dict.get("train_order")
+        self._saved_order = state_dict if "train_order" in state_dict else None

@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import torch
 from datasets import DatasetDict, Features, List, Value, load_dataset
 from datasets.data_files import resolve_pattern, sanitize_patterns
+from datasets.exceptions import DatasetGenerationError
 from datasets.fingerprint import Hasher
 from filelock import FileLock
 from torch import Tensor
@@ -69,6 +70,26 @@ def _head(texts: Iterable[str], n_chars: int) -> Iterator[str]:
         n_chars -= len(text)
 
 
+def unreadable_text_file(data_files: DataFiles) -> str | None:
+    """What makes the first bad file of `data_files` unreadable as UTF-8 text (empty, binary or another
+    encoding), naming it; None when every file reads. Called only after `datasets` failed to load them."""
+    for patterns in sanitize_patterns(data_files).values():
+        for path in (file for pattern in patterns for file in resolve_pattern(pattern, base_path=os.getcwd())):
+            data = Path(path).read_bytes()
+            if not data:
+                return f"{path} is empty"
+            if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte order mark
+                return f"{path} is UTF-16 text, not UTF-8; convert it to UTF-8"
+            if (nul := data.find(b"\0")) >= 0:
+                return f"{path} is a binary file, not text (a NUL byte at offset {nul})"
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as error:
+                byte = data[error.start]
+                return f"{path} is not UTF-8 text (byte 0x{byte:02x} at offset {error.start}); convert it to UTF-8"
+    return None
+
+
 def _pick(source: DatasetDict, split: str, arg: str) -> datasets.Dataset:
     if split not in source:
         raise ValueError(f"{arg}={split!r} is not a split of the source; it has {list(source)}")
@@ -88,7 +109,10 @@ class TextDataModule(ResumableDataModule):
     `text` builder keep their line breaks, so the stream is the file itself.
 
     A trainable tokenizer learns from the training text (the first `train_fraction` of the
-    characters when the stream is cut) and is cached next to the data. Tokenising happens in
+    characters when the stream is cut) and is cached next to the data; a CharTokenizer learns its
+    alphabet from all of the text, every split, as nanoGPT (`covers_only_seen_text`), so that a
+    character found only in the validation or test text has an id too. A text file that is empty,
+    binary or not UTF-8 is a ValueError naming the file. Tokenising happens in
     `prepare_data`; `datasets` caches it under a fingerprint of the data and the tokenizer, so later
     runs and the other DDP ranks read the cache and a new file or tokenizer makes a new one.
 
@@ -233,9 +257,19 @@ class TextDataModule(ResumableDataModule):
                     except FileNotFoundError:
                         raise FileNotFoundError(f"data_files: no file matches {pattern!r} (split {split!r})") from None
         kwargs = {"keep_linebreaks": True} if self.path == "text" else {}
-        source = load_dataset(
-            self.path, self.name, data_files=self.data_files, cache_dir=self.cache_dir, num_proc=self.num_proc, **kwargs
-        )
+        try:
+            source = load_dataset(
+                self.path,
+                self.name,
+                data_files=self.data_files,
+                cache_dir=self.cache_dir,
+                num_proc=self.num_proc,
+                **kwargs,
+            )
+        except DatasetGenerationError as error:
+            if self.path == "text" and (problem := unreadable_text_file(self.data_files)):
+                raise ValueError(f"data_files: {problem}") from error
+            raise
         roles = {"train": _pick(source, self.train_split, "train_split")}
         for role, arg, split, default in [
             ("val", "val_split", self.val_split, "validation"),
@@ -254,7 +288,10 @@ class TextDataModule(ResumableDataModule):
         return DatasetDict(roles)
 
     def _training_text(self) -> Iterator[str]:
-        """The text the tokenizer learns from: the training part of the train split."""
+        """The text the tokenizer learns from: the training part of the train split, or every split's
+        text for a tokenizer that can only encode what it has seen (a CharTokenizer's alphabet)."""
+        if self.tokenizer.covers_only_seen_text:
+            return (text for split in self._raw.values() for text in split[self.text_column])
         texts = self._raw["train"][self.text_column]
         if "val" in self._raw:
             return iter(texts)
@@ -267,8 +304,11 @@ class TextDataModule(ResumableDataModule):
             return tokenizer
         # The directory of the prepared source is specific to its files and their modification times.
         data_dir = Path(self._raw["train"].cache_files[0]["filename"]).parent
-        cut = None if "val" in self._raw else self.train_fraction
-        key = Hasher.hash([tokenizer, self.train_split, self.text_column, cut])
+        if tokenizer.covers_only_seen_text:
+            text = ["every split", self.train_split, self.val_split, self.test_split]
+        else:
+            text = [self.train_split, None if "val" in self._raw else self.train_fraction]
+        key = Hasher.hash([tokenizer, self.text_column, text])
         path = data_dir / f"lit_thresh-tokenizer-{key}.pkl"
         with FileLock(f"{path}.lock"):
             if path.exists():
@@ -303,8 +343,10 @@ class TextDataModule(ResumableDataModule):
             streams["train"], streams["val"] = streams["train"][:n_train], streams["train"][n_train:]
         for role, stream in streams.items():
             if len(stream) <= self.block_size:
+                cut = " (the text after train_fraction)" if role == "val" and "val" not in self._raw else ""
                 raise ValueError(
-                    f"the {role} split has {len(stream)} tokens, too few for block_size={self.block_size}"
+                    f"the text is too short: its {role} part{cut} has {len(stream)} tokens, and one window of "
+                    f"block_size={self.block_size} needs {self.block_size + 1}; use more text or a smaller block_size"
                 )
 
         n_train = len(streams["train"])

@@ -8,6 +8,7 @@ run and on every DDP rank.
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
 import tokenizers
 from datasets.fingerprint import Hasher
@@ -41,7 +42,14 @@ class Tokenizer(ABC):
 
 
 class TrainableTokenizer(Tokenizer):
-    """A tokenizer whose vocabulary is learned from the training text."""
+    """A tokenizer whose vocabulary is learned from the training text.
+
+    `covers_only_seen_text`: it cannot encode text unlike what it learned from (a character never
+    seen), so TextDataModule trains it on all of the source's text (every split), not only the
+    training part.
+    """
+
+    covers_only_seen_text: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -73,11 +81,15 @@ class ByteTokenizer(Tokenizer):
 
 
 class CharTokenizer(TrainableTokenizer):
-    """One id per character, the sorted characters of the training text (nanoGPT's shakespeare_char).
+    """One id per character, the sorted characters of the text it is trained on (nanoGPT's
+    shakespeare_char). TextDataModule trains it on the whole text, validation and test included (as
+    nanoGPT), so that every character it will encode has an id (covers_only_seen_text).
 
     Args:
         chars: a fixed alphabet instead of one learned by `train`.
     """
+
+    covers_only_seen_text = True
 
     def __init__(self, chars: str | None = None) -> None:
         if chars is not None and len(set(chars)) != len(chars):

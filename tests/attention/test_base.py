@@ -1,4 +1,4 @@
-"""The shared pieces: rotary embedding, KV cache, and softmax's bottom-right causal mask."""
+"""The shared pieces: rotary embedding, KV cache, key convolution, and softmax's bottom-right causal mask."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lit_thresh.attention import KVCache, RotaryEmbedding
+from lit_thresh.attention import KeyConv, KVCache, RotaryEmbedding, SoftmaxAttention
 from lit_thresh.attention.softmax import causal_sdpa
 
 
@@ -49,3 +49,12 @@ def test_causal_sdpa_aligns_queries_to_the_last_positions(tq, hkv):
     future = torch.arange(6)[None, :] > pos  # (Tq, Tk)
     expected = ((q @ k_rep.transpose(-1, -2)) / math.sqrt(8)).masked_fill(future, -math.inf).softmax(-1) @ v_rep
     torch.testing.assert_close(causal_sdpa(q, k, v), expected)
+
+
+def test_attention_builds_its_key_conv():
+    attn = SoftmaxAttention(32, 4, n_kv_heads=2, key_conv=3)
+    assert isinstance(attn.key_conv, KeyConv) and attn.key_conv.weight.shape == (16, 3)  # (Hkv * Dh, width)
+    assert SoftmaxAttention(32, 4).key_conv is None
+    for width, error in [(1, ValueError), (-1, ValueError), (2.0, TypeError)]:
+        with pytest.raises(error, match="key_conv"):
+            SoftmaxAttention(32, 4, key_conv=width)

@@ -186,3 +186,10 @@ def test_runs_under_bfloat16_autocast(cls, kwargs):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = attn(inputs().float(), RotaryEmbedding())
     assert out.shape == (2, 9, 32) and out.dtype == torch.bfloat16 and out.isfinite().all()
+
+
+@pytest.mark.parametrize("cls", VARIANTS)
+def test_every_variant_passes_key_conv_on(cls):
+    """The plug-in contract: a variant hands the factory's key_conv to Attention, which builds the conv."""
+    attn = make(cls, {"key_conv": 2})
+    assert attn.key_conv is not None and attn.key_conv.weight.shape == (2 * 8, 2)  # (Hkv * Dh, width)

@@ -15,6 +15,7 @@ from torch.utils.data import SequentialSampler
 from lit_thresh.data.resumable import ResumableSampler
 from lit_thresh.data.text import TextDataModule, block_starts, random_starts
 from lit_thresh.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
+from lit_thresh.model import TransformerConfig
 from lit_thresh.module import LanguageModel
 
 WORDS = "the king queen lord speak hear me now good night sweet prince to be or not".split()
@@ -61,7 +62,7 @@ def test_text_file_fraction_split_as_nanogpt(tmp_path, text_file):
     n_train = int(len(text) * 0.9)
     assert stream(dm, "train") == text[:n_train]
     assert stream(dm, "val") == text[n_train:]
-    assert dm.vocab_size == len(set(text[:n_train]))
+    assert dm.vocab_size == len(set(text))  # a CharTokenizer's alphabet: every character, as nanoGPT
     assert dm.max_seq_len == 16
     assert dm.decode(dm.encode("Good night")) == "Good night"
 
@@ -138,12 +139,51 @@ def test_bad_arguments(tmp_path, text_file):
         make_dm(tmp_path, str(text_file), block_size=0)
     with pytest.raises(TypeError, match="tokenizer"):
         TextDataModule("char", data_files=str(text_file))
-    with pytest.raises(ValueError, match="too few for block_size=100000"):
-        ready(make_dm(tmp_path, str(text_file), block_size=100_000))
     with pytest.raises(ValueError, match="test_length_multipliers must be >= 1"):
         make_dm(tmp_path, str(text_file), test_length_multipliers=[2, 0])
     with pytest.raises(ValueError, match=r"test_length_multipliers: the test stream has \d+ tokens, too few"):
         ready(make_dm(tmp_path, str(text_file), test_length_multipliers=[1000]))
+
+
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        (b"", "is empty"),
+        (b"GIF89a\x01\x00\x00\x00" + bytes(range(256)), r"is a binary file, not text \(a NUL byte at offset 7\)"),
+        ("Été naïf".encode("latin-1"), r"is not UTF-8 text \(byte 0xc9 at offset 0\); convert it to UTF-8"),
+        ("caf\u00e9\n".encode("utf-16"), "is UTF-16 text, not UTF-8; convert it to UTF-8"),
+    ],
+    ids=["empty", "binary", "latin-1", "utf-16"],
+)
+def test_unreadable_text_file_is_one_clear_error(tmp_path, content, problem):
+    path = tmp_path / "input.txt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"^data_files: {re.escape(str(path))} {problem}"):
+        make_dm(tmp_path, str(path)).prepare_data()
+
+
+@pytest.mark.parametrize(
+    "n_chars,block_size,message",
+    [
+        (10_000, 100_000, r"its train part has 9000 tokens, and one window of block_size=100000 needs 100001"),
+        (100, 16, r"its val part \(the text after train_fraction\) has 10 tokens, and one window of block_size=16 "
+                  r"needs 17"),
+    ],
+)
+def test_text_too_short_for_a_window_says_so(tmp_path, n_chars, block_size, message):
+    path = tmp_path / "input.txt"
+    path.write_text("".join(make_lines(2000))[:n_chars])
+    with pytest.raises(ValueError, match=rf"^the text is too short: {message}; use more text or a smaller block_size"):
+        ready(make_dm(tmp_path, str(path), block_size=block_size))
+
+
+def test_char_vocabulary_covers_characters_only_in_the_validation_part(tmp_path):
+    path = tmp_path / "input.txt"
+    text = "".join(make_lines(200))
+    path.write_text(text + "Zyx!" * 20)  # the last 80 characters, all in the validation part
+    dm = ready(make_dm(tmp_path, str(path)))
+    assert {"Z", "y", "x", "!"} <= set(dm.tokenizer.chars) and dm.vocab_size == len(set(text) | set("Zyx!"))
+    assert stream(dm, "val").endswith("Zyx!" * 20)
 
 
 # Tokenizers
@@ -388,7 +428,8 @@ def test_length_test_sets_are_fixed_consecutive_windows(tmp_path, text_file):
 
 def test_fit_then_test_logs_every_length(tmp_path, text_file):
     dm = make_dm(tmp_path, str(text_file), test_length_multipliers=[2, 4], sampling="blocks")
-    model = LanguageModel(dm.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=dm.max_seq_len)
+    config = TransformerConfig(dm.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=dm.max_seq_len)
+    model = LanguageModel(config)
     trainer = Trainer(
         max_steps=2,
         limit_val_batches=1,
