@@ -30,7 +30,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     fsspec transaction whose temporary file sits in the system's temp folder: moving it into place is a
     copy when that folder is on another file system, and nothing is fsynced.) Remote paths and
     ``storage_options`` go to TorchCheckpointIO unchanged.
+
+    Loads read tensors and plain data only (``weights_only=True`` unless a caller asks otherwise): a
+    checkpoint whose pickle would run code is refused, also a remote one (Lightning's default for those
+    is ``weights_only=False``).
     """
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        return super().load_checkpoint(path, map_location, weights_only=True if weights_only is None else weights_only)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):

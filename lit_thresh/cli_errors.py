@@ -12,13 +12,10 @@ status 1. ``LIT_THRESH_TRACEBACK=1`` shows the traceback instead.
 import inspect
 import os
 import sys
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
@@ -30,8 +27,6 @@ TRACEBACK_ENV = "LIT_THRESH_TRACEBACK"
 # non-finite loss (FloatingPointError, naming the step). Anything else (a RuntimeError, an IndexError,
 # ...) is a bug and keeps its traceback.
 INPUT_ERRORS = (ValueError, TypeError, OSError, FloatingPointError)
-# ckpt_path values Lightning resolves itself rather than reading a file (and "registry:...").
-SPECIAL_CKPT_PATHS = ("best", "last", "hpc", "registry")
 
 
 def one_line(message: str) -> str:
@@ -62,7 +57,7 @@ def _raised_in(err: BaseException, package: str) -> bool:
 
 
 def attention_variants() -> list[str]:
-    """The attention classes lit_thresh ships, by the name `--model.attention` accepts."""
+    """The attention classes lit_thresh ships, by the name `--model.config.attention` accepts."""
     classes = (getattr(attention, name) for name in attention.__all__)
     return [
         cls.__name__
@@ -73,8 +68,8 @@ def attention_variants() -> list[str]:
 
 class Parser(LightningArgumentParser):
     """LightningArgumentParser whose errors stay short: a one-line usage instead of every option, a YAML
-    syntax error that names its file, and an error about `model.attention` that lists the variants. Options
-    must be spelt out: `--trainer.max_epoch` is an error, not `--trainer.max_epochs`."""
+    syntax error that names its file, and an error about `model.config.attention` that lists the variants.
+    Options must be spelt out: `--trainer.max_epoch` is an error, not `--trainer.max_epochs`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
@@ -84,10 +79,11 @@ class Parser(LightningArgumentParser):
         self._print_message(f"usage: {self.prog.replace(' [options]', '')} [options]\n", file)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if '"model.attention"' in message:
+        if '"model.config.attention"' in message:
             message += (
                 f"\n  attention variants: {', '.join(attention_variants())} (lit_thresh.attention, or any "
-                "import path of an Attention subclass); `--model.attention.help NAME` lists a variant's options"
+                "import path of an Attention subclass); `--model.config.attention.help NAME` lists a variant's "
+                "options"
             )
         super().error(message, ex)
 
@@ -101,61 +97,3 @@ class Parser(LightningArgumentParser):
         except OSError:
             pass  # the parser reports a missing or unreadable file itself
         return super().parse_path(path, *args, **kwargs)
-
-
-def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
-    """The Lightning checkpoint at `ckpt_path`, its tensors memory-mapped rather than read; ValueError
-    naming the path when it is not one."""
-    if not zipfile.is_zipfile(ckpt_path):
-        raise ValueError(f"ckpt_path {ckpt_path} is not a checkpoint (a file torch.save writes)")
-    try:
-        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # torch.load reports a file that is not a checkpoint in many ways
-        raise ValueError(f"ckpt_path {ckpt_path} is not a checkpoint torch.load reads: {one_line(str(err))}") from err
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise ValueError(f"ckpt_path {ckpt_path} is not a Lightning checkpoint: it has no state_dict")
-    return checkpoint
-
-
-def is_file_path(ckpt_path: str | None) -> bool:
-    """Whether `ckpt_path` names a local file, rather than one of Lightning's names or a remote path."""
-    return bool(ckpt_path) and "://" not in ckpt_path and ckpt_path.split(":")[0] not in SPECIAL_CKPT_PATHS
-
-
-def check_checkpoint(ckpt_path: str | None, model_class: type) -> None:
-    """Raises FileNotFoundError unless `ckpt_path` exists, ValueError unless it is a Lightning checkpoint of
-    a `model_class` (its hyperparameters are arguments of `model_class`): what can be checked before the
-    model is built. Lightning's own names ("last", "best", ...) and remote paths are left to Lightning."""
-    if not is_file_path(ckpt_path):
-        return
-    if not Path(ckpt_path).is_file():
-        raise FileNotFoundError(f"ckpt_path {ckpt_path}: no such file")
-    hparams = read_checkpoint(ckpt_path).get("hyper_parameters") or {}
-    accepted = set(inspect.signature(model_class).parameters) | {"_instantiator", "_class_path"}
-    unknown = sorted(set(hparams) - accepted)
-    if unknown:
-        raise ValueError(
-            f"ckpt_path {ckpt_path} belongs to a different model: its hyperparameters {unknown[:3]} are not "
-            f"arguments of {model_class.__name__}"
-        )
-
-
-def check_checkpoint_matches(ckpt_path: str, checkpoint: dict[str, Any], model: torch.nn.Module) -> None:
-    """Raises ValueError, naming `ckpt_path` and the first differences, unless the state dict of
-    `checkpoint` (read_checkpoint's) has exactly `model`'s keys and shapes (what loading it strictly
-    requires)."""
-    found = {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()}
-    expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    differences = [f"{key} missing" for key in expected if key not in found]
-    differences += [f"unexpected {key}" for key in found if key not in expected]
-    differences += [
-        f"{key} {found[key]} where the model has {shape}"
-        for key, shape in expected.items()
-        if key in found and found[key] != shape
-    ]
-    if differences:
-        more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
-        raise ValueError(
-            f"ckpt_path {ckpt_path} belongs to a different model: {'; '.join(differences[:3])}{more}. "
-            "Check the config's data and model settings against the run that saved it."
-        )

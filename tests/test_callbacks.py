@@ -11,7 +11,9 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_thresh.callbacks import SigtermCheck, TokenThroughput, TrainLossProgressBar
+from lit_thresh.callbacks import MetricsTable, ProgressLog, SigtermCheck, TokenThroughput, TrainLossProgressBar
+from lit_thresh.callbacks.monitoring import hparams_for_tensorboard
+from lit_thresh.callbacks.run_config import run_started
 from tests.test_module import TinyData, model
 
 
@@ -112,3 +114,70 @@ def test_sigterm_check_leaves_lightning_alone(monkeypatch, stage, every_n_batche
 def test_sigterm_check_refuses_a_bad_interval(bad):
     with pytest.raises(ValueError, match=r"every_n_batches must be an int >= 1 \(1 = every batch\), got"):
         SigtermCheck(bad)
+
+
+def test_hparams_for_tensorboard_are_readable_and_hold_the_seed():
+    hparams = {
+        "_instantiator": "lightning.pytorch.cli.instantiate_module",
+        "config": {"d_model": 64, "attention": {"class_path": "a.Threshold", "init_args": {"beta": 1.0}}},
+        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-3, "foreach": None, "fused": None}},
+        "lr_scheduler": {"class_path": "s.WarmupCosine", "init_args": {"warmup_steps": 100, "last_epoch": -1}},
+        "batch_size": 16,
+    }
+    assert hparams_for_tensorboard(hparams, seed=1234) == {
+        "d_model": 64,
+        "attention/class_path": "a.Threshold",
+        "attention/beta": 1.0,
+        "optimizer/class_path": "torch.optim.AdamW",
+        "optimizer/lr": 3e-3,
+        "lr_scheduler/class_path": "s.WarmupCosine",
+        "lr_scheduler/warmup_steps": 100,
+        "batch_size": 16,
+        "seed_everything": 1234,
+    }
+
+
+def test_metrics_table_has_a_row_per_metric_and_a_column_per_data_set(capsys):
+    metrics = {"test/acc": 0.5, "test/loss": 1.25, "test/len64_n4/acc": 0.75, "test/len64_n4/loss": 2.5, "val/acc": 0.1}
+    trainer = SimpleNamespace(callback_metrics={name: torch.tensor(value) for name, value in metrics.items()})
+    MetricsTable.print_table(trainer, "test")
+    lines = [line for line in capsys.readouterr().out.splitlines() if "│" in line or "┃" in line]
+    cells = [[cell.strip() for cell in line.strip("│┃ ").replace("┃", "│").split("│")] for line in lines]
+    assert cells == [["metric", "test", "len64_n4"], ["acc", "0.5", "0.75"], ["loss", "1.25", "2.5"]]
+
+
+def test_progress_log_prints_step_loss_tokens_and_eta(tmp_path):
+    """Every n-th optimizer step: a plain line (here with always=True: pytest's stdout is not a TTY anyway)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    progress = ProgressLog(every_n_steps=2, always=True)
+    trainer = L.Trainer(
+        max_steps=5, limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[progress],
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    assert [line.split(" | ")[0] for line in progress.lines] == ["step 2/5", "step 4/5"]
+    for line in progress.lines:
+        step, epoch, loss, rate, eta = line.split(" | ")
+        assert epoch == "epoch 0" and float(loss.removeprefix("loss ")) > 0
+        assert rate.endswith(" tokens/s") and eta.startswith("ETA 0:")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_progress_log_refuses_a_bad_interval(bad):
+    with pytest.raises(ValueError, match="every_n_steps must be an int >= 1"):
+        ProgressLog(bad)
+
+
+def test_run_started_refuses_a_new_fit_over_a_run_and_lets_a_resume_keep_it(tmp_path):
+    assert run_started(str(tmp_path), None) is False  # no run there yet
+    (tmp_path / "config.yaml").write_text("seed_everything: 1\n")
+    assert run_started(str(tmp_path), "last.ckpt") is True  # a resume: its config.yaml stays
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_started(str(tmp_path), None)
+
+
+@pytest.mark.parametrize("bad", [1, 0, 2.0, True])
+def test_token_throughput_refuses_a_window_under_two(bad):
+    with pytest.raises(ValueError, match=r"window_size must be an int >= 2"):
+        TokenThroughput(window_size=bad)

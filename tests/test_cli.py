@@ -3,8 +3,10 @@ parser in-process."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,11 +32,18 @@ TINY_MQAR = [
 ]
 
 
+def command_line(*args: str) -> list[str]:
+    """The installed command with `args`."""
+    return [shutil.which("lit_thresh", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"), *args]
+
+
+# The command's environment: the PyTorch kernels on CPU (no Triton interpreter), offline.
+ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"HF_DATASETS_OFFLINE": "1"}
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs the installed command on CPU with the PyTorch kernels (no Triton interpreter), offline."""
-    command = shutil.which("lit_thresh", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"HF_DATASETS_OFFLINE": "1"}
-    result = subprocess.run([command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    """Runs the installed command; fails unless it exits with 0."""
+    result = subprocess.run(command_line(*args), cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -48,12 +57,23 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory) -> Path:
-    """A tiny quickstart fit; returns its working directory."""
+    """A tiny quickstart fit; returns its working directory, where fit.log holds what it printed."""
     cwd = tmp_path_factory.mktemp("fit")
-    run_cli("fit", "--config", str(QUICKSTART), *TINY_MQAR, cwd=cwd)
+    result = run_cli("fit", "--config", str(QUICKSTART), *TINY_MQAR, "--progress_log.every_n_steps=1", cwd=cwd)
+    (cwd / "fit.log").write_text(result.stdout + result.stderr)
     return cwd
 
 
+@pytest.mark.slow
+def test_fit_prints_no_noise_and_logs_progress_off_a_terminal(fitted):
+    printed = (fitted / "fit.log").read_text()
+    for noise in ("GPU available", "TPU available", "litlogger", "LeafSpec", "FLOPs", "v_num"):
+        assert noise not in printed
+    assert "step 1/2 | epoch 0 | loss " in printed and "step 2/2 | epoch 0 | loss " in printed  # not a TTY
+    assert "tokens/s | ETA 0:00:00" in printed
+
+
+@pytest.mark.slow
 def test_fit_writes_logs_config_and_checkpoints(fitted):
     run = fitted / "lightning_logs" / "quickstart" / "version_0"
     assert list(run.glob("events.out.tfevents.*"))
@@ -62,8 +82,8 @@ def test_fit_writes_logs_config_and_checkpoints(fitted):
 
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert config["seed_everything"] == 1234
-    assert config["model"]["attention"]["class_path"] == "lit_thresh.attention.ThresholdAttention"
-    assert config["model"]["key_conv"] == 2
+    assert config["model"]["config"]["attention"]["class_path"] == "lit_thresh.attention.ThresholdAttention"
+    assert config["model"]["config"]["key_conv"] == 2
     assert config["data"]["class_path"] == "lit_thresh.data.MQARDataModule"
 
     checkpoints = {p.name for p in (run / "checkpoints").iterdir()}
@@ -76,16 +96,66 @@ def test_fit_writes_logs_config_and_checkpoints(fitted):
     assert {"val/acc", "val/loss"} <= {m.name.tag for m in metrics}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
 def test_subcommands_from_checkpoint(fitted, subcommand):
-    ckpt = fitted / "lightning_logs" / "quickstart" / "version_0" / "checkpoints" / "last.ckpt"
+    """Into the fit's own directory: the fit's config.yaml stays as it was, the subcommand keeps its own
+    config_<subcommand>.yaml; validate and test print one table (a column per data set)."""
+    run = fitted / "lightning_logs" / "quickstart" / "version_0"
+    fit_config = (run / "config.yaml").read_bytes()
     # a fixed logger version: rerunning into an existing run directory must not be blocked
+    ckpt = run / "checkpoints" / "last.ckpt"
     args = ["--config", str(QUICKSTART), *TINY_MQAR, "--ckpt_path", str(ckpt), "--trainer.logger.init_args.version=0"]
     result = run_cli(subcommand, *args, cwd=fitted)
-    metric = {"validate": "val/acc", "test": "test/acc", "predict": "Predicting"}[subcommand]
-    assert metric in result.stdout
+    assert (run / "config.yaml").read_bytes() == fit_config
+    own = yaml.safe_load((run / f"config_{subcommand}.yaml").read_text())
+    assert own["ckpt_path"] == str(ckpt)
+    if subcommand == "predict":
+        assert "Predicting" in result.stdout
+        return
+    split = {"validate": "val", "test": "test"}[subcommand]
+    assert result.stdout.count(f"{split} metrics") == 1 and "DataLoader" not in result.stdout
+    header = next(line for line in result.stdout.splitlines() if "┃ metric" in line)
+    assert header.split("┃")[2].strip() == split  # the first data set's column
+    if subcommand == "test":  # one column per test set (the quickstart: 2x, 4x, 8x the training length)
+        assert "len64_n4" in header and "len256_n4" in header
 
 
+@pytest.mark.slow
+def test_rerunning_a_run_config_starts_a_new_run(fitted):
+    run = fitted / "lightning_logs" / "quickstart" / "version_0"
+    run_cli("fit", "--config", str(run / "config.yaml"), "--trainer.max_steps=1", cwd=fitted)
+    assert (fitted / "lightning_logs" / "quickstart" / "version_1" / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_fit_with_a_resumable_checkpoint_and_a_failure_status(tmp_path):
+    """SIGTERM after the 2nd step: last.ckpt holds the steps done, the exit status is 143 (128 + SIGTERM)."""
+    args = ["fit", "--config", str(QUICKSTART), *TINY_MQAR, "--progress_log.every_n_steps=1"]
+    args += ["--data.init_args.train=[{seq_len: 32, num_kv_pairs: 4, num_examples: 20000}]"]  # long enough
+    with (tmp_path / "fit.log").open("w") as log:
+        fit = subprocess.Popen(command_line(*args), cwd=tmp_path, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while "step 2/" not in (tmp_path / "fit.log").read_text() and fit.poll() is None:
+                assert time.monotonic() < deadline, "the fit did not reach step 2"
+                time.sleep(0.2)
+            fit.send_signal(signal.SIGTERM)
+            returncode = fit.wait(timeout=120)
+        finally:
+            if fit.poll() is None:
+                fit.kill()
+                fit.wait()
+    printed = (tmp_path / "fit.log").read_text()
+    assert returncode == 143, printed[-3000:]
+    assert "fit stopped by SIGTERM" in printed and "--ckpt_path last" in printed
+    ckpt = torch.load(
+        tmp_path / "lightning_logs" / "quickstart" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False
+    )
+    assert ckpt["global_step"] >= 2
+
+
+@pytest.mark.slow
 def test_python_m_help(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
@@ -106,15 +176,16 @@ def test_fit_help(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     out = capsys.readouterr().out
-    assert "--model.attention" in out and "--checkpoint.monitor" in out and "--data CONFIG" in out
+    assert "--model.config.attention" in out and "--checkpoint.monitor" in out and "--data CONFIG" in out
 
 
 def test_configs_compose(tmp_path, capsys):
     override = tmp_path / "override.yaml"
-    override.write_text("model:\n  d_model: 32\ntrainer:\n  max_epochs: 3\n")
+    override.write_text("model:\n  config:\n    d_model: 32\ntrainer:\n  max_epochs: 3\n")
     pieces = ["--config", str(QUICKSTART), "--config", str(override), "--data", str(CONFIGS / "data/mqar.yaml")]
     config = print_config(*pieces, capsys=capsys)
-    assert config["model"]["d_model"] == 32 and config["model"]["n_layers"] == 2  # merged, not replaced
+    model = config["model"]["config"]
+    assert model["d_model"] == 32 and model["n_layers"] == 2  # merged, not replaced
     assert config["trainer"]["max_epochs"] == 3
     assert config["trainer"]["logger"]["init_args"]["name"] == "quickstart"
     assert config["data"]["init_args"]["vocab_size"] == 8192  # the data piece
@@ -167,3 +238,43 @@ def test_one_cpu_thread_for_a_process_on_a_gpu(omp_num_threads, env, threads):
     omp_num_threads(env)
     one_thread_per_process(SimpleNamespace(num_devices=1, accelerator=CUDAAccelerator()))
     assert torch.get_num_threads() == (threads or 2)
+
+
+def test_default_callbacks_print_and_switch_off(capsys):
+    """Every default callback is a config group that --print_config shows, and null switches it off."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from lit_thresh.callbacks import NaNGuard
+    from lit_thresh.cli import DEFAULT_CALLBACKS, build_cli
+
+    config = print_config("--config", str(QUICKSTART), capsys=capsys)
+    for key, (callback, _) in DEFAULT_CALLBACKS.items():
+        assert config[key]["class_path"].rsplit(".", 1)[1] == callback.__name__, key
+    assert config["lr_monitor"]["init_args"]["logging_interval"] == "step"
+
+    args = ["--data", "lit_thresh.data.MQARDataModule", "--trainer.accelerator", "cpu"]
+    on = {type(c) for c in build_cli(args, run=False).trainer.callbacks}
+    assert {NaNGuard, LearningRateMonitor} <= on
+    off_args = [*args, "--nan_guard", "null", "--lr_monitor", "null"]
+    off = {type(c) for c in build_cli(off_args, run=False).trainer.callbacks}
+    assert on - off == {NaNGuard, LearningRateMonitor}
+
+
+@pytest.mark.parametrize("save_dir", [None, "elsewhere"])
+def test_default_root_dir_moves_the_logs_unless_save_dir_is_set(tmp_path, save_dir):
+    from lit_thresh.cli import build_cli
+
+    args = ["--data", "lit_thresh.data.MQARDataModule", "--trainer.accelerator", "cpu"]
+    args += ["--trainer.default_root_dir", str(tmp_path)]
+    if save_dir:
+        args.append(f"--trainer.logger.init_args.save_dir={save_dir}")
+    logger = build_cli(args, run=False).trainer.logger
+    assert logger.save_dir == (save_dir or str(tmp_path / "lightning_logs"))
+
+
+def test_test_and_validate_have_no_verbose_option(capsys):
+    """Lightning's per-DataLoader tables are replaced by MetricsTable's one: no --verbose to bring them back."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["test", "--verbose", "true"])
+    assert exit_info.value.code == 2
+    assert "--verbose" in capsys.readouterr().err

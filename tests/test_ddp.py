@@ -5,6 +5,7 @@ that cover the whole validation set."""
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import lightning as L
@@ -17,8 +18,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lit_thresh.callbacks import SigtermCheck
 from lit_thresh.data import MQARDataModule, MQARSetting
 from lit_thresh.module import LanguageModel
-from tests.test_cli import QUICKSTART, run_cli
+from tests.test_cli import ENV, QUICKSTART, command_line
 
+pytestmark = pytest.mark.slow  # every test runs the lit_thresh command (2 gloo processes) in subprocesses
 TRAIN = MQARSetting(seq_len=32, num_kv_pairs=4, num_examples=96)  # 6 steps an epoch: 8 a rank, or 16
 VAL = MQARSetting(seq_len=32, num_kv_pairs=4, num_examples=40)  # 20 per rank: batches of 8, 8, 4
 BATCH = 8  # per rank; the one-process run takes 2 * BATCH
@@ -76,9 +78,10 @@ class SigtermOneRank(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def fit(cwd: Path, *devices: str, batch_size: int) -> None:
-    """The quickstart at the sizes above, with this file's RecordBatches, on CPU."""
-    run_cli(
+def fit(cwd: Path, *devices: str, batch_size: int, returncode: int = 0) -> str:
+    """The quickstart at the sizes above, with this file's RecordBatches, on CPU, run as test_cli.run_cli
+    runs it; fails unless the command exits with `returncode`. Returns what it printed to stderr."""
+    args = command_line(
         "fit",
         "--config",
         str(QUICKSTART),
@@ -89,20 +92,23 @@ def fit(cwd: Path, *devices: str, batch_size: int) -> None:
         "--trainer.enable_progress_bar=false",
         "--trainer.callbacks+=tests.test_ddp.RecordBatches",
         f"--sigterm.every_n_batches={SIGTERM_EVERY}",
-        "--model.attention=SoftmaxAttention",  # see LOSS_RTOL
+        "--model.config.attention=SoftmaxAttention",  # see LOSS_RTOL
         "--model.optimizer.init_args.lr=1e-2",  # no warmup, a larger step: the model learns in 12 steps
         "--model.lr_scheduler.init_args.warmup_steps=0",
         f"--data.init_args.train=[{TRAIN._asdict()}]",
         f"--data.init_args.val=[{VAL._asdict()}]",
         f"--data.init_args.batch_size={batch_size}",
-        cwd=cwd,
     )
+    result = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == returncode, result.stderr[-3000:]
+    return result.stderr
 
 
 def import_probes(patch: pytest.MonkeyPatch) -> None:
-    """Lets the command's processes import this file's probes (tests.test_ddp)."""
+    """Lets the command's processes import this file's probes (tests.test_ddp): the repository root on
+    the PYTHONPATH of the command's environment (test_cli.ENV, os.environ as tests.test_cli loaded)."""
     root = Path(__file__).parents[1]
-    patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    patch.setitem(ENV, "PYTHONPATH", os.pathsep.join(filter(None, [str(root), ENV.get("PYTHONPATH")])))
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +199,7 @@ def test_logged_validation_metrics_cover_the_whole_validation_set(runs):
     ckpt = run / "checkpoints" / "last.ckpt"
     epoch = torch.load(ckpt, map_location="cpu", weights_only=True)["epoch"]
     model = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu").eval()
-    data = MQARDataModule(vocab_size=model.hparams.vocab_size, train=[TRAIN], val=[VAL])
+    data = MQARDataModule(vocab_size=model.model.config.vocab_size, train=[TRAIN], val=[VAL])
     data.setup("validate")
     batch = data.datasets["val"][:]
     with torch.no_grad():
@@ -208,12 +214,13 @@ def test_logged_validation_metrics_cover_the_whole_validation_set(runs):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path, monkeypatch, rank):
     """A SIGTERM to one rank after step SIGTERM_AT: both ranks train on to the next comparison of their
-    flags (before step 11) and stop there, together, and the command ends. Rank 0 also passes the signal on
-    to rank 1 (Lightning's launcher started it); a signal to rank 1 alone reaches rank 0 only through the
-    comparison."""
+    flags (before step 11) and stop there, together, and the command ends with status 143 (128 + SIGTERM).
+    Rank 0 also passes the signal on to rank 1 (Lightning's launcher started it); a signal to rank 1 alone
+    reaches rank 0 only through the comparison."""
     import_probes(monkeypatch)
     probe = f"--trainer.callbacks+={{class_path: tests.test_ddp.SigtermOneRank, init_args: {{rank: {rank}}}}}"
-    fit(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", probe, batch_size=BATCH)
+    stderr = fit(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", probe, batch_size=BATCH, returncode=143)
     stop = -(-SIGTERM_AT // SIGTERM_EVERY) * SIGTERM_EVERY  # the first comparison after the signal
+    assert f"fit stopped by SIGTERM at step {stop}" in stderr
     ranks = [json.loads((tmp_path / f"steps_rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks == [list(range(1, stop + 1))] * 2

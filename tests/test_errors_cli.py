@@ -47,25 +47,32 @@ CASES = {
     "malformed_yaml": Case(
         fit("--config", "bad.yaml", INTO_RUN),
         2,
-        ["bad.yaml", "not valid YAML", "line 2"],
-        {"bad.yaml": "model:\n  d_model: [64\n"},
+        ["bad.yaml", "not valid YAML", "line 3"],
+        {"bad.yaml": "model:\n  config:\n    d_model: [64\n"},
     ),
     "unknown_key_in_yaml": Case(
-        fit("--config", "typo.yaml", INTO_RUN), 2, ["model.d_modle"], {"typo.yaml": "model:\n  d_modle: 32\n"}
+        fit("--config", "typo.yaml", INTO_RUN),
+        2,
+        ["model.config.d_modle"],
+        {"typo.yaml": "model:\n  config:\n    d_modle: 32\n"},
     ),
     "unknown_key_on_command_line": Case(fit("--trainer.max_epoch=1", INTO_RUN), 2, ["--trainer.max_epoch"]),
-    "wrong_type": Case(fit("--model.d_model=abc", INTO_RUN), 2, ['"model.d_model"', "int", "abc"]),
+    "wrong_type": Case(fit("--model.config.d_model=abc", INTO_RUN), 2, ['"model.config.d_model"', "int", "abc"]),
     "unknown_attention_variant": Case(
-        fit("--model.attention=FooAttention", INTO_RUN), 2, ['"model.attention"', "FooAttention", "ThresholdAttention"]
+        fit("--model.config.attention=FooAttention", INTO_RUN),
+        2,
+        ['"model.config.attention"', "FooAttention", "ThresholdAttention", "--model.config.attention.help"],
     ),
     "head_dim_over_256": Case(
-        fit("--model.d_model=512", "--model.n_heads=1", INTO_RUN),
+        fit("--model.config.d_model=512", "--model.config.n_heads=1", INTO_RUN),
         1,
         ["ThresholdAttention", "head dims up to 256", "512 / 1 = 512"],
     ),
-    "d_model_not_divisible_by_heads": Case(fit("--model.n_heads=3", INTO_RUN), 1, ["d_model (64)", "n_heads (3)"]),
+    "d_model_not_divisible_by_heads": Case(
+        fit("--model.config.n_heads=3", INTO_RUN), 1, ["d_model (64)", "n_heads (3)"]
+    ),
     "rope_with_odd_head_dim": Case(
-        fit("--model.positional=rope", "--model.d_model=6", "--model.n_heads=2", INTO_RUN),
+        fit("--model.config.positional=rope", "--model.config.d_model=6", "--model.config.n_heads=2", INTO_RUN),
         1,
         ["positional='rope'", "even", "got 3"],
     ),
@@ -77,24 +84,33 @@ CASES = {
     # Learned positions cannot take the 2x-length test sets: found before any run directory is written,
     # so a run pointed at the existing one leaves its config.yaml alone.
     "learned_positions_shorter_than_test_length": Case(
-        fit("--model.positional=learned", "--data.init_args.test_length_multipliers=[2]", INTO_RUN),
+        fit("--model.config.positional=learned", "--data.init_args.test_length_multipliers=[2]", INTO_RUN),
         1,
         ["positional='learned'", "64 tokens", "training on 32"],
     ),
     "sigterm_interval_zero": Case(
         fit("--sigterm.every_n_batches=0", INTO_RUN), 1, ["every_n_batches must be an int >= 1", "got 0"]
     ),
+    "progress_log_interval_zero": Case(
+        fit("--progress_log.every_n_steps=0", INTO_RUN), 1, ["every_n_steps must be an int >= 1", "got 0"]
+    ),
+    "throughput_window_of_one": Case(
+        fit("--throughput.window_size=1", INTO_RUN), 1, ["window_size must be an int >= 2", "got 1"]
+    ),
+    "new_fit_into_an_existing_run": Case(fit(INTO_RUN), 1, ["already holds a run (config.yaml)", "--ckpt_path"]),
+    # Found once the fit has started (the DataModule's prepare_data), so in a run directory of its own: a
+    # new fit pointed at the existing run is refused before that (already holds a run).
     "missing_data_file": Case(
         fit(
             "--data=lit_thresh.data.TextDataModule",
             "--data.init_args.tokenizer=lit_thresh.data.tokenizers.ByteTokenizer",
             "--data.init_args.data_files=missing.txt",
-            INTO_RUN,
+            "--trainer.default_root_dir=fresh",  # its logs under fresh/lightning_logs
         ),
         1,
         ["data_files", "missing.txt"],
     ),
-    "missing_ckpt_path": Case(validate("--ckpt_path=nope.ckpt", INTO_RUN), 1, ["ckpt_path nope.ckpt", "no such file"]),
+    "missing_ckpt_path": Case(validate("--ckpt_path=nope.ckpt", INTO_RUN), 1, ["nope.ckpt: no such checkpoint file"]),
     "ckpt_path_of_another_attention": Case(  # softmax weights, a threshold attention config
         validate(f"--ckpt_path={CKPT}", INTO_RUN),
         1,
@@ -102,13 +118,35 @@ CASES = {
     ),
     "ckpt_path_of_another_vocabulary": Case(  # 128 tokens in the checkpoint, 64 in the data
         validate(
-            "--model.attention=SoftmaxAttention", "--data.init_args.vocab_size=64", f"--ckpt_path={CKPT}", INTO_RUN
+            "--model.config.attention=SoftmaxAttention",
+            "--data.init_args.vocab_size=64",
+            f"--ckpt_path={CKPT}",
+            INTO_RUN,
         ),
         1,
         [CKPT, "belongs to a different model", "model.token_emb.weight (128, 64) where the model has (64, 64)"],
     ),
     "ckpt_path_not_a_checkpoint": Case(
-        validate(f"--ckpt_path={RUN_DIR / 'config.yaml'}", INTO_RUN), 1, ["config.yaml", "is not a checkpoint"]
+        validate(f"--ckpt_path={RUN_DIR / 'config.yaml'}", INTO_RUN), 1, ["config.yaml: not a checkpoint"]
+    ),
+    # Found before any run directory is written (after_instantiate_classes), not once the run has started.
+    "negative_lr": Case(
+        fit("--model.optimizer.init_args.lr=-0.1", INTO_RUN), 1, ["model.optimizer", "Invalid learning rate: -0.1"]
+    ),
+    "nan_lr": Case(
+        fit("--model.optimizer.init_args.lr=.nan", INTO_RUN), 1, ["model.optimizer", "learning rate: nan"]
+    ),
+    "infinite_lr": Case(
+        fit("--model.optimizer.init_args.lr=.inf", INTO_RUN), 1, ["model.optimizer: lr must be finite"]
+    ),
+    "nan_betas": Case(fit("--model.optimizer.init_args.betas=[.nan, 0.99]", INTO_RUN), 1, ["model.optimizer", "beta"]),
+    "negative_min_lr_ratio": Case(
+        fit("--model.lr_scheduler.init_args.min_lr_ratio=-1", INTO_RUN), 1, ["model.lr_scheduler", "min_lr_ratio"]
+    ),
+    "val_check_interval_longer_than_the_epoch": Case(  # 32 examples in batches of 16: 2 per epoch
+        fit("--trainer.val_check_interval=5", INTO_RUN),
+        1,
+        ["trainer.val_check_interval (5 batches) is longer than an epoch (2 training batches)"],
     ),
 }
 
@@ -142,7 +180,7 @@ def existing_run(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("existing")
     with pytest.MonkeyPatch.context() as patch, mock.patch.dict(os.environ):
         patch.chdir(cwd)
-        main(fit("--model.attention=SoftmaxAttention", "--trainer.enable_progress_bar=false"))
+        main(fit("--model.config.attention=SoftmaxAttention", "--trainer.enable_progress_bar=false"))
     assert (cwd / CKPT).is_file()
     return cwd
 
@@ -202,6 +240,7 @@ def commands(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
     return finished
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("run", "first_line"), [("parse_error", "usage: lit_thresh fit [options]"), ("input_error", "Seed set to 1234")]
 )
@@ -216,6 +255,7 @@ def test_the_command_prints_one_message(commands, run, first_line):
     assert not (cwd / "lightning_logs").exists()
 
 
+@pytest.mark.slow
 def test_the_command_shows_the_traceback_on_request(commands):
     result, _ = commands["input_error_with_traceback"]
     assert result.returncode == 1

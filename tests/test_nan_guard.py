@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from lit_thresh.callbacks import NaNGuard
 from lit_thresh.cli import main
 from lit_thresh.module import LanguageModel
 
@@ -23,7 +22,7 @@ trainer:
   enable_model_summary: false
   logger: {init_args: {name: nan}}
 diagnostics: {enabled: false}
-model: {d_model: 16, n_layers: 1, mlp_ratio: 0}
+model: {config: {d_model: 16, n_layers: 1, mlp_ratio: 0}}
 data:
   class_path: lit_thresh.data.MQARDataModule
   init_args:
@@ -72,11 +71,11 @@ def test_non_finite_step_stops_without_a_later_checkpoint(
     tmp_path, monkeypatch, what, deferred, every_n_steps, accelerator
 ):
     models = poison(monkeypatch, what)
-    monkeypatch.setattr(NaNGuard.__init__, "__defaults__", (deferred,))  # the CLI's NaNGuard()
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.yaml").write_text(TINY)
     seed = str(int(torch.randint(10_000, ())))
     options = [f"--step_checkpoint.every_n_train_steps={every_n_steps}", f"--trainer.accelerator={accelerator}"]
+    options += [] if deferred is None else [f"--nan_guard.init_args.deferred={str(deferred).lower()}"]
     with pytest.raises(SystemExit) as error:  # the command's one-line error, no traceback
         main(["fit", "--config", "tiny.yaml", "--seed_everything", seed, *options])
     deferred = accelerator == "gpu" if deferred is None else deferred
@@ -88,6 +87,7 @@ def test_non_finite_step_stops_without_a_later_checkpoint(
         assert "no checkpoint was written after this step" in message
     else:
         assert "stopped before this optimizer step" in message
+    assert "the last checkpoint, lightning_logs/nan/version_0/checkpoints/last.ckpt, " in message
     if what == "loss":
         assert "non-finite training loss nan" in message
     else:
@@ -107,23 +107,29 @@ def test_non_finite_step_stops_without_a_later_checkpoint(
         torch.testing.assert_close(value, weights[name], rtol=0, atol=0)
 
 
-def test_a_bad_last_step_is_reported_at_the_end_of_training(tmp_path, monkeypatch):
-    """Deferred, without checkpoints: the check of the last step is read when training ends."""
+@pytest.mark.parametrize(
+    "deferred,says", [(True, "no checkpoint was written after this step, nor before it"), (False, "(no checkpoint")]
+)
+def test_a_bad_last_step_is_reported_at_the_end_of_training(tmp_path, monkeypatch, deferred, says):
+    """Without checkpoints: deferred, the check of the last step is read when training ends; the message
+    does not speak of a last checkpoint."""
     poison(monkeypatch, "loss", bad_step=7)  # the last of the 8 steps
-    monkeypatch.setattr(NaNGuard.__init__, "__defaults__", (True,))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.yaml").write_text(TINY)
     with pytest.raises(SystemExit) as error:
-        main(["fit", "--config", "tiny.yaml", "--trainer.enable_checkpointing=false"])
-    assert "non-finite training loss nan at global step 7 (epoch 0, batch 7)" in str(error.value.code)
+        options = ["--trainer.enable_checkpointing=false", f"--nan_guard.init_args.deferred={str(deferred).lower()}"]
+        main(["fit", "--config", "tiny.yaml", *options])
+    message = str(error.value.code)
+    assert "non-finite training loss nan at global step 7 (epoch 0, batch 7)" in message
+    assert says in message and "last checkpoint" not in message
 
 
 def test_deferred_check_refuses_weights_only_checkpoints(tmp_path, monkeypatch):
     """Lightning skips callbacks' on_save_checkpoint for weights-only checkpoints, so a deferred check
     could not stop such a save: deferred=True is refused with them (the default then reads at once)."""
-    monkeypatch.setattr(NaNGuard.__init__, "__defaults__", (True,))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.yaml").write_text(TINY)
     with pytest.raises(SystemExit) as error:
-        main(["fit", "--config", "tiny.yaml", "--checkpoint.save_weights_only=true"])
+        options = ["--checkpoint.save_weights_only=true", "--nan_guard.init_args.deferred=true"]
+        main(["fit", "--config", "tiny.yaml", *options])
     assert "save_weights_only" in str(error.value.code) and "deferred" in str(error.value.code)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.utils.data import StackDataset
 from lit_thresh.checkpoint_io import AtomicCheckpointIO, temporary_files
 from lit_thresh.cli import main
 from lit_thresh.data.resumable import ResumableSampler
+from lit_thresh.resume import RunLock
 from tests.test_nan_guard import TINY as NAN_TINY
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
@@ -49,12 +51,13 @@ checkpoint: {{monitor: val/acc, mode: max}}
 step_checkpoint: {{every_n_train_steps: 4}}
 diagnostics: {{enabled: false}}
 model:
-  d_model: 32
-  n_layers: 2
-  mlp_ratio: 2
-  dropout: 0.1
-  key_conv: 2
-  attention: {{class_path: lit_thresh.attention.ThresholdAttention}}
+  config:
+    d_model: 32
+    n_layers: 2
+    mlp_ratio: 2
+    dropout: 0.1
+    key_conv: 2
+    attention: {{class_path: lit_thresh.attention.ThresholdAttention}}
   optimizer: {{class_path: torch.optim.AdamW, init_args: {{lr: 3.0e-3}}}}
   lr_scheduler: {{class_path: lit_thresh.schedule.WarmupCosine, init_args: {{warmup_steps: 4}}}}
 data:
@@ -172,6 +175,14 @@ def test_resume_continues_the_same_run_directory(runs):
     assert not temporary_files(checkpoints / "last.ckpt")  # the next save removed the leftover
     assert not list(checkpoints.glob("last-v*.ckpt"))
     assert checkpoint_step(checkpoints / "last.ckpt") == EPOCHS * STEPS_PER_EPOCH
+    best = [p for p in checkpoints.glob("*.ckpt") if p.name != "last.ckpt"]
+    assert len(best) == 1  # save_top_k=1, also across the resume
+    last = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    saved_best = {state["best_model_path"] for key, state in last["callbacks"].items() if "val/acc" in key}
+    assert saved_best == {str(best[0].relative_to(runs["resumed"]))}  # the file that exists
+    assert "not resumable" not in runs["resume_stderr"]  # the training loader's state is Lightning's to restore
+    assert "could not find the monitored key" not in runs["resume_stderr"]
+    assert "exists and is not empty" not in runs["resume_stderr"]  # the folder it resumes from, as expected
 
 
 def test_resume_sees_the_uninterrupted_batches(runs):
@@ -208,9 +219,9 @@ def copy_run(cwd: Path, to: Path) -> Path:
 def test_resume_refuses_other_model_arguments(runs, monkeypatch, tmp_path):
     monkeypatch.chdir(copy_run(runs["resumed"], tmp_path / "run"))
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", "tiny.yaml", "--ckpt_path", "last", "--model.dropout=0.2", "--model.optimizer.lr=0.01"])
+        main(["fit", "--config", "tiny.yaml", "--ckpt_path", "last", "--model.config.dropout=0.2", "--model.optimizer.lr=0.01"])
     message = str(exit_info.value.code)
-    assert "model.dropout: checkpoint 0.1, given 0.2" in message
+    assert "model.config.dropout: checkpoint 0.1, given 0.2" in message
     assert "model.optimizer.init_args.lr: checkpoint 0.003, given 0.01" in message
     assert "lightning_logs/tiny/version_0/checkpoints/last.ckpt" in message
 
@@ -224,6 +235,39 @@ def test_resume_refuses_other_data_order(runs, monkeypatch, tmp_path):
     assert "batch_size 16 -> 8" in str(exit_info.value.code)
     after = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
     assert after == before  # refused before anything is written: config.yaml and events untouched
+
+
+def test_resume_refuses_a_run_another_process_writes(runs, monkeypatch, tmp_path):
+    run = copy_run(runs["resumed"], tmp_path / "run")
+    monkeypatch.chdir(run)
+    holder = RunLock(run / "lightning_logs/tiny/version_0")  # as the fit still writing into it holds it
+    holder.acquire()
+    before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "tiny.yaml", "--ckpt_path", "last"])
+    holder.release()
+    assert "lightning_logs/tiny/version_0: another lit_thresh run is writing" in str(exit_info.value.code)
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before
+
+
+def test_a_resume_stopped_mid_epoch_warns_of_nothing(tmp_path, monkeypatch):
+    """A run stopped by max_steps mid-epoch, resumed mid-epoch and stopped again before its next validation:
+    no warning that the loader is not resumable, that the checkpoint folder is not empty, or that the
+    monitored metric is missing; the first run's lock was released, so the second may take it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(NAN_TINY)
+    args = ["fit", "--config", "tiny.yaml", "--ckpt_path", "last", "--step_checkpoint.every_n_train_steps=3"]
+    args += ["--trainer.max_epochs=2"]
+    main([*args, "--trainer.max_steps=6"])  # 8 steps an epoch: stops in epoch 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main([*args, "--trainer.max_steps=12"])  # resumes at step 6, validates at 8, stops at 12
+    said = [str(w.message) for w in caught]
+    for noise in ("not resumable", "exists and is not empty", "could not find the monitored key"):
+        assert not [message for message in said if noise in message], said
+    checkpoints = tmp_path / "lightning_logs/nan/version_0/checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    assert checkpoint_step(checkpoints / "last.ckpt") == 12
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2])
@@ -298,6 +342,7 @@ def test_last_checkpoint_follows_every_validation_even_without_a_new_best(tmp_pa
             "fit", "--config", "tiny.yaml", "--trainer.max_epochs", "3",
             "--step_checkpoint.every_n_train_steps", "0",  # no step saves: only validation / epoch ends
             "--checkpoint.monitor", "n_params", "--checkpoint.mode", "max",  # constant: a best once, never again
+            "--checkpoint.save_on_train_epoch_end", "true",  # n_params is logged in training, not validation
         ]
     )
     checkpoints = tmp_path / "lightning_logs/nan/version_0/checkpoints"

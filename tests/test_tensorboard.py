@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the lit_thresh command and the tensorboard server
+
 QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 RUNS = {  # run name -> attention class
     "threshold": "lit_thresh.attention.ThresholdAttention",
@@ -33,6 +35,7 @@ TINY = [
     f"--data.init_args.val=[{{seq_len: {SEQ_LEN}, num_kv_pairs: 4, num_examples: 32}}]",
     "--data.init_args.batch_size=16",
     "--trainer.enable_progress_bar=false",
+    "--trainer.log_every_n_steps=1",  # LearningRateMonitor logs on these steps only
 ]
 TIMEOUT = 60  # seconds for the server to start and to serve the complete logs
 
@@ -52,7 +55,7 @@ def log_root(tmp_path_factory) -> Path:
     fits = [
         subprocess.Popen(
             [command("lit_thresh"), "fit", "--config", str(QUICKSTART), *TINY,
-             f"--trainer.logger.init_args.name={name}", f"--model.attention={attention}"],
+             f"--trainer.logger.init_args.name={name}", f"--model.config.attention={attention}"],
             cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         for name, attention in RUNS.items()
@@ -137,7 +140,7 @@ def test_runs(server):
 
 
 def test_scalar_tags_and_values(server):
-    wanted = {"train/loss", "train/acc", "val/loss", "val/acc"} | diag_tags()
+    wanted = {"train/loss", "train/acc", "val/loss", "val/acc", "lr-AdamW/pg1"} | diag_tags()
     tags = poll(
         lambda: get_json(server, "/data/plugin/scalars/tags"),
         lambda t: all(wanted <= t.get(run_name(name), {}).keys() for name in RUNS),
@@ -163,7 +166,10 @@ def test_hparams(server):
         lambda e: "metricInfos" in e,
         "the HPARAMS experiment",
     )
-    assert {"attention/class_path", "d_model", "n_layers", "key_conv"} <= {h["name"] for h in experiment["hparamInfos"]}
+    names = {h["name"] for h in experiment["hparamInfos"]}
+    assert {"attention/class_path", "d_model", "n_layers", "key_conv", "optimizer/lr", "seed_everything"} <= names
+    assert not {name for name in names if name.startswith("_") or "/_" in name or "init_args" in name}
+    assert not {"optimizer/foreach", "optimizer/fused", "lr_scheduler/last_epoch"} & names  # internals
     assert {"val/acc", "val/loss", "train/loss"} <= {m["name"]["tag"] for m in experiment["metricInfos"]}
 
     statuses = ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]  # as the dashboard asks
@@ -174,7 +180,7 @@ def test_hparams(server):
     for name, attention in RUNS.items():
         group = by_run[run_name(name)]
         assert group["hparams"]["attention/class_path"] == attention
-        assert group["hparams"]["d_model"] == 64
+        assert group["hparams"]["d_model"] == 64 and group["hparams"]["seed_everything"] == 1234
         metrics = {m["name"]["tag"]: m["value"] for m in group["sessions"][0]["metricValues"]}
         assert 0.0 <= metrics["val/acc"] <= 1.0 and metrics["val/loss"] > 0
 

@@ -1,128 +1,25 @@
-"""Callbacks shared by every ``lit_thresh`` run."""
+"""Callbacks that keep a run safe: SIGTERM handling, RNG state, NaN guard, step checkpoints."""
 
 import itertools
 import logging
-import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, ThroughputMonitor
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
+from lit_thresh.lightning_compat import (
+    mark_sigterm,
+    replace_sigterm_handling,
+    restore_sigterm_handling,
+    save_checkpoint_now,
+)
+
 log = logging.getLogger(__name__)
-
-
-class HparamsWithMetrics(Callback):
-    """Fill TensorBoard's HPARAMS tab: at the end of fit and test, log the run's hyperparameters with its
-    final metrics (``trainer.callback_metrics``), and print those metrics.
-
-    Meant for ``TensorBoardLogger(default_hp_metric=False)``, which records the hyperparameters at start
-    but writes no HPARAMS entry until it is given metrics.
-    """
-
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._log(trainer)
-
-    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._log(trainer)
-
-    @staticmethod
-    def _log(trainer: Trainer) -> None:
-        metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
-        rank_zero_info("Final metrics: " + ", ".join(f"{name} {value:.4g}" for name, value in sorted(metrics.items())))
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.log_hyperparams(logger.hparams, metrics, step=trainer.global_step)
-
-
-def batch_size(batch: dict[str, torch.Tensor]) -> int:
-    """Sequences in a batch of `input_ids` (B, T)."""
-    return batch["input_ids"].shape[0]
-
-
-def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens in a batch of `input_ids` (B, T)."""
-    return batch["input_ids"].numel()
-
-
-class TokenThroughput(ThroughputMonitor):
-    """Lightning's ThroughputMonitor for ``{"input_ids": (B, T)}`` batches: logs, every
-    ``log_every_n_steps`` once ``window_size`` batches have run, ``train/device/batches_per_sec``,
-    ``train/device/items_per_sec`` (tokens/s of one device; ``train/items_per_sec`` over all devices
-    under DDP) and, with the model's ``flops_per_batch``, ``train/device/mfu`` on known GPUs.
-    Validation time is left out of the training rates.
-
-    Lightning's callback waits for the GPU after every batch, so that the time it records for each is
-    exact; that stops the CPU from queueing the next step while the GPU works. Here training batches wait
-    only on the steps whose rates are logged. A rate spans the last ``window_size`` batches: its end is
-    exact and its start is early by at most the GPU work still queued then (about a step, against the
-    ``window_size - 1`` steps it spans).
-    """
-
-    def __init__(self, window_size: int = 100) -> None:
-        super().__init__(batch_size_fn=batch_size, length_fn=batch_tokens, window_size=window_size)
-
-    @torch.inference_mode()
-    def _update(self, trainer: Trainer, pl_module: LightningModule, batch: Any, iter_num: int) -> None:
-        """ThroughputMonitor._update, with its synchronisation on logged and evaluation batches only."""
-        stage = trainer.state.stage
-        logged = stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs
-        if logged and trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self._t0s[stage]
-        self._lengths[stage] += self.length_fn(batch)
-        self._samples[stage] += self.batch_size_fn(batch)
-        self._batches[stage] += 1
-        self._throughputs[stage].update(
-            time=elapsed,
-            batches=self._batches[stage],
-            samples=self._samples[stage],
-            lengths=self._lengths[stage],
-            flops=getattr(pl_module, "flops_per_batch", None),
-        )
-
-
-class TrainLossProgressBar(RichProgressBar):
-    """Lightning's RichProgressBar, plus the training loss of the last step written to the loggers (every
-    ``log_every_n_steps``), read back from the GPU then only: a ``prog_bar=True`` value would be read
-    back every step."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._train_loss: dict[str, float] = {}
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer._logger_connector.should_update_logs and isinstance(outputs, dict) and "loss" in outputs:
-            self._train_loss = {"train/loss": outputs["loss"].item()}  # this rank's
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        return super().get_metrics(trainer, pl_module) | self._train_loss
-
-
-class PeakMemory(Callback):
-    """Logs ``perf/peak_memory_gib``: the peak memory allocated by torch on the GPU (max over ranks)
-    at the end of each training epoch and validation; nothing on CPU."""
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._log(pl_module)
-
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.sanity_checking and trainer.state.fn == "fit":
-            self._log(pl_module)
-
-    @staticmethod
-    def _log(pl_module: LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
-            pl_module.log("perf/peak_memory_gib", peak, reduce_fx="max", sync_dist=True)
 
 
 class SigtermCheck(Callback):
@@ -153,10 +50,6 @@ class SigtermCheck(Callback):
         self.checks, self._signalled = 0, False
         if stage != "fit" or self.every_n_batches == 1 or trainer.world_size == 1:
             return
-        connector, loop = trainer._signal_connector, trainer.fit_loop.epoch_loop
-        if not (hasattr(connector, "_sigterm_notifier_fn") and hasattr(loop, "_broadcast_sigterm_tensor")):
-            rank_zero_warn("SigtermCheck: this Lightning handles SIGTERM differently; left as it is")
-            return
         batches = itertools.count()
 
         def on_sigterm(signum: int, frame: Any) -> None:
@@ -172,17 +65,14 @@ class SigtermCheck(Callback):
             flag = torch.tensor([int(self._signalled)], device=trainer.strategy.root_device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             if flag.item():
-                connector.received_sigterm = True
+                mark_sigterm(trainer)
                 raise SIGTERMException
 
-        # Instance attributes shadow Lightning's methods on this trainer only; Lightning registers its
-        # SIGTERM handler (connector._sigterm_notifier_fn) after the setup hooks.
-        connector._sigterm_notifier_fn = on_sigterm
-        loop._broadcast_sigterm_tensor = compare_flags
+        if not replace_sigterm_handling(trainer, on_sigterm, compare_flags):  # on this trainer only
+            rank_zero_warn("SigtermCheck: this Lightning handles SIGTERM differently; left as it is")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        vars(trainer._signal_connector).pop("_sigterm_notifier_fn", None)
-        vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
+        restore_sigterm_handling(trainer)
 
 
 class RNGState(Callback):
@@ -253,7 +143,7 @@ class NaNGuard(Callback):
         self._losses.append(loss.detach())
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        self._read_pending()
+        self._read_pending(trainer)
         losses = torch.stack(self._losses).float() if self._losses else torch.zeros(0, device=pl_module.device)
         self._losses.clear()  # losses: (micro-batches,), scaled by the GradScaler if there is one
         grads = {p: p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
@@ -265,18 +155,27 @@ class NaNGuard(Callback):
         if self._deferred:
             self._pending = check.start_copy()
         else:
-            check.read(deferred=False)
+            check.read(trainer, deferred=False)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self._read_pending()  # before anything is written
+        self._read_pending(trainer)  # before anything is written
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._read_pending()
+        self._read_pending(trainer)
 
-    def _read_pending(self) -> None:
+    def _read_pending(self, trainer: Trainer) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.read(deferred=True)
+            pending.read(trainer, deferred=True)
+
+
+def latest_checkpoint(trainer: Trainer) -> str | None:
+    """The newest checkpoint file this run wrote (its checkpoint callbacks') or resumed from, if any."""
+    paths = {trainer.ckpt_path}
+    for callback in trainer.checkpoint_callbacks:
+        paths |= {callback.best_model_path, callback.last_model_path}
+    files = [Path(path) for path in paths if path and Path(path).is_file()]
+    return str(max(files, key=lambda path: path.stat().st_mtime)) if files else None
 
 
 class _Check:
@@ -302,8 +201,9 @@ class _Check:
             self.done.record()
         return self
 
-    def read(self, deferred: bool) -> None:
-        """Raises the FloatingPointError if the step was not finite (waits for the copy first)."""
+    def read(self, trainer: Trainer, deferred: bool) -> None:
+        """Raises the FloatingPointError if the step was not finite (waits for the copy first); it names
+        `trainer`'s latest checkpoint, or says that there is none."""
         if self.done is not None:
             self.done.synchronize()
         if bool(self.ok):
@@ -319,14 +219,16 @@ class _Check:
             bad = [names.get(p, "?") for p, ok in zip(self.params, finite, strict=True) if not ok]
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             problem = f"non-finite gradients of {', '.join(bad[:3])}{more} {self.where} (loss {loss_text})"
+        latest = latest_checkpoint(trainer)
         if deferred:
+            before = f"so the last checkpoint, {latest}, is from before it" if latest else "nor before it"
             raise FloatingPointError(
                 f"{problem}: training stopped at the next check, and no checkpoint was written after this step, "
-                "so the last checkpoint is from before it"
+                f"{before}"
             )
+        before = f"and the last checkpoint, {latest}, are" if latest else "are (no checkpoint was written)"
         raise FloatingPointError(
-            f"{problem}: training stopped before this optimizer step, so the weights and the last checkpoint "
-            "are from before it"
+            f"{problem}: training stopped before this optimizer step, so the weights {before} from before it"
         )
 
 
@@ -349,6 +251,24 @@ class StepCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_train_steps,
             enable_version_counter=False,  # overwrite last.ckpt, whoever wrote it
         )
+        self.every_n_steps = every_n_train_steps
+        self._saved: tuple[int, list[tuple[str, str]]] | None = None  # (step, _others) at the last save
+
+    @staticmethod
+    def _others(trainer: Trainer) -> list[tuple[str, str]]:
+        """The files the other checkpoint callbacks last wrote (their state that last.ckpt records)."""
+        return [
+            (callback.best_model_path, callback.last_model_path)
+            for callback in trainer.checkpoint_callbacks
+            if not isinstance(callback, StepCheckpoint)
+        ]
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # every_n_train_steps' save
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0 and not trainer.sanity_checking:
+            self._saved = (trainer.global_step, self._others(trainer))
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save_last_now(trainer)
@@ -356,6 +276,22 @@ class StepCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save_last_now(trainer)
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":  # stopped between steps
+            self._save_last_now(trainer)  # resumable: --ckpt_path last
+
     def _save_last_now(self, trainer: Trainer) -> None:
-        if not self._should_skip_saving_checkpoint(trainer):  # sanity check, or saved at this step already
-            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+        """Saves last.ckpt unless it already holds this step's state: saved at this step, and the other
+        checkpoint callbacks (which save after validation and at the epoch's end, before this one) have
+        written nothing since. Otherwise a step save right before a new best would leave last.ckpt naming a
+        best checkpoint that is deleted by then, and a resume from it would keep two best files."""
+        if trainer.sanity_checking:
+            return
+        state = (trainer.global_step, self._others(trainer))
+        if state == self._saved:
+            return
+        if self._saved is not None and self._saved[0] == trainer.global_step:
+            trainer.save_checkpoint(self.best_model_path, self.save_weights_only)  # again, the others' new state
+        else:
+            save_checkpoint_now(self, trainer)
+        self._saved = state
