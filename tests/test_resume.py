@@ -270,6 +270,21 @@ def test_a_resume_stopped_mid_epoch_warns_of_nothing(tmp_path, monkeypatch):
     assert checkpoint_step(checkpoints / "last.ckpt") == 12
 
 
+def test_last_is_looked_up_under_default_root_dir(tmp_path, monkeypatch):
+    """With --trainer.default_root_dir, logs and checkpoints go under it, and `--ckpt_path last` resumes the
+    run there (not a run in ./lightning_logs)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(NAN_TINY)
+    args = ["fit", "--config", "tiny.yaml", "--ckpt_path", "last", "--trainer.default_root_dir=elsewhere"]
+    args += ["--step_checkpoint.every_n_train_steps=3", "--trainer.max_epochs=2"]
+    main([*args, "--trainer.max_steps=6"])
+    main([*args, "--trainer.max_steps=9"])  # resumes at step 6
+    run = tmp_path / "elsewhere/lightning_logs/nan"
+    assert sorted(p.name for p in run.iterdir()) == ["version_0"]  # the same run, no second version
+    assert checkpoint_step(run / "version_0/checkpoints/last.ckpt") == 9
+    assert not (tmp_path / "lightning_logs").exists()
+
+
 @pytest.mark.parametrize("num_replicas", [1, 2])
 def test_sampler_resumes_mid_epoch(num_replicas):
     dataset = StackDataset(torch.randint(100, (50, 3)))
