@@ -75,8 +75,9 @@ def resolve_last(config: Namespace) -> Namespace | None:
     the logger's ``init_args`` when their ``version`` was set to the resumed run's.
 
     With the default checkpoint folder, that is the newest ``last.ckpt`` among the logger's runs
-    (``<save_dir>/<name>/version_N``), and the logger's ``version`` is set to N (unless given), so the
-    resumed run writes into the same directory instead of a new ``version_N``. With ``checkpoint.dirpath``
+    (``<save_dir>/<name>/version_N``), and the logger's ``version`` is set to N, so the resumed run writes
+    into the same directory instead of a new ``version_N``; with the logger's ``version`` given, that
+    run's ``last.ckpt``. With ``checkpoint.dirpath``
     set, it is ``<dirpath>/last.ckpt``. Without any ``last.ckpt``, ``last`` stays, and Lightning starts the
     run from scratch with a warning: the same command starts a run and resumes it.
     """
@@ -91,12 +92,16 @@ def resolve_last(config: Namespace) -> Namespace | None:
     args = logger.get("init_args") if isinstance(logger, Namespace) else None
     if args is None or not {"save_dir", "name", "version"} <= set(vars(args)):
         return None  # no logger, or one that does not write <save_dir>/<name>/version_N
-    run = latest_run(Path(args.save_dir or ".") / (args.name or ""))
+    root = Path(args.save_dir or ".") / (args.name or "")
+    if args.version is not None:  # the run asked for: its last.ckpt, not the latest run's
+        run = root / (f"version_{args.version}" if isinstance(args.version, int) else str(args.version))
+        if (run / "checkpoints" / LAST).is_file():
+            config.ckpt_path = str(run / "checkpoints" / LAST)
+        return None
+    run = latest_run(root)
     if run is None:
         return None
     config.ckpt_path = str(run / "checkpoints" / LAST)
-    if args.version is not None:
-        return None
     version = run.name.removeprefix("version_")
     args.version = int(version) if version.isdigit() else version
     return args

@@ -219,6 +219,19 @@ def test_select_keeps_the_best_mean_over_seeds_per_cell(mode):
     assert table[2].startswith(f"| softmax | 64 | {rows[0].chosen[0][1]} | 3 |")
 
 
+def test_select_ranks_values_that_lost_seeds_or_diverged_behind_complete_ones():
+    """lr 0.003 has the best value on its one surviving seed (the others failed, --keep_going) and lr 0.01
+    a NaN: lr 0.001, complete and finite, is chosen."""
+    values = {"0.001": [0.90, 0.92, 0.91], "0.003": [0.99], "0.01": [math.nan, math.nan, math.nan]}
+    results = {}
+    for lr, accs in values.items():
+        for seed, acc in enumerate(accs):
+            results[Run(len(results), "softmax", (("lr", lr),), seed)] = {"metrics": {"best/val/acc": acc}}
+    select = plan.Select(over=["model.optimizer.init_args.lr"], by="best/val/acc", mode="max")
+    (row,) = report.make_rows(results, ["softmax"], ["lr"], select)
+    assert row.chosen == (("lr", "0.001"),) and len(row.runs) == 3
+
+
 def test_table_and_csv_are_mean_and_std_over_seeds(tmp_path):
     rng = torch.Generator().manual_seed(0)
     tags = ["val/acc", "test/len64_n4/acc", "test/len128_n4/acc", "n_params"]
@@ -421,7 +434,7 @@ def test_device_slots(monkeypatch):
     with pytest.raises(ValueError, match="devices_per_run: 8 GPUs per run, but 4 are visible"):
         runner.device_slots(1, 8)
     monkeypatch.setattr(runner, "visible_gpus", lambda: [])
-    monkeypatch.setattr(runner.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: set(range(8)))  # the cores this process may use
     assert runner.device_slots(1, 1) == [{}] and runner.device_slots(4, 1) == [{"OMP_NUM_THREADS": "2"}] * 4
 
 

@@ -285,6 +285,20 @@ def test_last_is_looked_up_under_default_root_dir(tmp_path, monkeypatch):
     assert not (tmp_path / "lightning_logs").exists()
 
 
+def test_last_with_a_given_version_resumes_that_run(tmp_path, monkeypatch):
+    """`--ckpt_path last` with the logger's version given resumes that run, not the newest one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(NAN_TINY)
+    args = ["fit", "--config", "tiny.yaml", "--ckpt_path", "last", "--step_checkpoint.every_n_train_steps=3"]
+    args += ["--trainer.max_epochs=2"]
+    main([*args, "--trainer.logger.init_args.version=0", "--trainer.max_steps=3"])
+    main([*args, "--trainer.logger.init_args.version=1", "--trainer.max_steps=6"])  # the newest run, at step 6
+    main([*args, "--trainer.logger.init_args.version=0", "--trainer.max_steps=5"])  # resumes version 0 at step 3
+    runs = tmp_path / "lightning_logs/nan"
+    assert checkpoint_step(runs / "version_0/checkpoints/last.ckpt") == 5  # from version 1's step 6 it would not train
+    assert checkpoint_step(runs / "version_1/checkpoints/last.ckpt") == 6
+
+
 @pytest.mark.parametrize("num_replicas", [1, 2])
 def test_sampler_resumes_mid_epoch(num_replicas):
     dataset = StackDataset(torch.randint(100, (50, 3)))

@@ -68,7 +68,8 @@ class HparamsWithMetrics(Callback):
         seed = os.environ.get("PL_GLOBAL_SEED")  # set by seed_everything
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                kept = logger.hparams  # hparams.yaml keeps the full, nested hyperparameters
+                kept = dict(logger.hparams)  # a copy (log_hyperparams updates the logger's dict in place):
+                # hparams.yaml keeps the full, nested hyperparameters
                 hparams = hparams_for_tensorboard(kept, seed and int(seed))
                 logger.log_hyperparams(hparams, metrics, step=trainer.global_step)
                 logger.hparams = kept

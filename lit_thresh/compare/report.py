@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import fnmatch
+import math
 import re
 import statistics
 from collections.abc import Iterable, Sequence
@@ -69,8 +70,13 @@ def make_rows(results: dict[Run, dict], variants: Sequence[str], over: Sequence[
         if select is None:
             rows += [Row(variant, cell, chosen, runs) for chosen, runs in candidates.items()]
             continue
-        scores = {chosen: statistics.fmean(r["metrics"][select.by] for r in runs if select.by in r["metrics"])
-                  for chosen, runs in candidates.items() if any(select.by in r["metrics"] for r in runs)}
+        # a candidate's score: the mean of its runs' finite values; only the candidates with the most
+        # finished runs compete (with --keep_going, a value that lost seeds to failures cannot win on the rest)
+        values = {chosen: [v for r in runs if math.isfinite(v := r["metrics"].get(select.by, math.nan))]
+                  for chosen, runs in candidates.items()}
+        most = max(len(candidates[chosen]) for chosen, vals in values.items() if vals) if any(values.values()) else 0
+        scores = {chosen: statistics.fmean(vals) for chosen, vals in values.items()
+                  if vals and len(candidates[chosen]) == most}
         if not scores:
             raise ValueError(f"select.by {select.by!r} was not logged by any run of {Row(variant, cell, (), []).label}")
         best = (max if select.mode == "max" else min)(scores, key=scores.__getitem__)

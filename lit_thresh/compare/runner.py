@@ -234,7 +234,8 @@ def device_slots(runs_per_device: int, devices_per_run: int) -> list[dict[str, s
     if not gpus:
         if runs_per_device == 1:
             return [{}]
-        threads = max(1, (os.cpu_count() or 1) // runs_per_device)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // runs_per_device)  # of the cores this process may use (SLURM, taskset)
         return [{"OMP_NUM_THREADS": str(threads)}] * runs_per_device
     if devices_per_run > len(gpus):
         raise ValueError(f"devices_per_run: {devices_per_run} GPUs per run, but {len(gpus)} are visible ({gpus})")

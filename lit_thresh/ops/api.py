@@ -27,8 +27,10 @@ def check_power(power: float, name: str) -> float:
     return power
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: tuple[str, str, str] = ("q", "k", "v")) -> None:
+    """Shapes, dtypes and devices of q, k and v; errors call them `names` (("q1", "k1", "v") for the differential op)."""
+    nq, nk, nv = names
+    for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
@@ -36,23 +38,25 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{nq}, {nk} and {nv} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{nq}, {nk} and {nv} must be on one device, got {q.device}, {k.device}, {v.device}")
     (b, hq, tq, d), (bk, hkv, tk, dk), (bv, hv, tv, dv) = q.shape, k.shape, v.shape
     if not (b == bk == bv):
-        raise ValueError(f"q, k and v must share the batch size, got {b}, {bk}, {bv}")
+        raise ValueError(f"{nq}, {nk} and {nv} must share the batch size, got {b}, {bk}, {bv}")
     if hkv != hv:
-        raise ValueError(f"k and v must have the same number of heads, got {hkv} and {hv}")
+        raise ValueError(f"{nk} and {nv} must have the same number of heads, got {hkv} and {hv}")
     if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"q's heads ({hq}) must be a multiple of k's and v's heads ({hkv}) (grouped-query attention)")
+        raise ValueError(
+            f"{nq}'s heads ({hq}) must be a multiple of {nk}'s and {nv}'s heads ({hkv}) (grouped-query attention)"
+        )
     if d != dk:
-        raise ValueError(f"q and k must have the same head dim, got {d} and {dk}")
+        raise ValueError(f"{nq} and {nk} must have the same head dim, got {d} and {dk}")
     if tk != tv:
-        raise ValueError(f"k and v must have the same sequence length, got {tk} and {tv}")
+        raise ValueError(f"{nk} and {nv} must have the same sequence length, got {tk} and {tv}")
     if tq > tk:
-        raise ValueError(f"q's sequence length ({tq}) must be <= k's ({tk}): queries are the last Tq positions")
-    for name, dim in (("q/k", d), ("v", dv)):
+        raise ValueError(f"{nq}'s sequence length ({tq}) must be <= {nk}'s ({tk}): queries are the last Tq positions")
+    for name, dim in ((f"{nq}/{nk}", d), (nv, dv)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{name} head dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
 
@@ -69,7 +73,7 @@ def _beta_per_head(
         if not beta.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {beta.dtype}")
         if beta.device != device:
-            raise ValueError(f"{name} must be on the device of q ({device}), got {beta.device}")
+            raise ValueError(f"{name} must be on the device of the queries ({device}), got {beta.device}")
         if beta.shape == (heads,) and beta.dtype == dtype and beta.is_contiguous():  # a model's (H,) parameter: as it is
             return beta
         return beta.to(dtype).reshape(-1).expand(heads).contiguous()
@@ -155,7 +159,7 @@ def differential_threshold_attention(
         )
     _check_same(q1, q2, "q1", "q2")
     _check_same(k1, k2, "k1", "k2")
-    _check_qkv(q1, k1, v)
+    _check_qkv(q1, k1, v, ("q1", "k1", "v"))
     power = check_power(power, "power")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float, got {scale!r}")

@@ -250,6 +250,10 @@ def test_opcheck_triton_backend():
         (lambda a: {**a, "lam": "0.5"}, TypeError, "lam"),
         (lambda a: {**a, "beta": torch.ones(2, 2)}, ValueError, "beta"),
         (lambda a: {**a, "power": -1.0}, ValueError, "power"),
+        # the checks shared with the single op name the differential op's own arguments
+        (lambda a: {**a, "q1": a["q1"].int(), "q2": a["q2"].int()}, TypeError, r"^q1 must be float16"),
+        (lambda a: {**a, **{n: a[n].repeat(1, 3, 1, 1) for n in ("k1", "k2", "v")}}, ValueError, r"^q1's heads"),
+        (lambda a: {**a, "v": a["v"][:, :, :3]}, ValueError, r"^k1 and v must have the same sequence length"),
     ],
 )
 def test_bad_arguments_are_named(change, error, match):
