@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.slow  # runs the lit_thresh command and the tensorboard server
 
@@ -183,6 +184,14 @@ def test_hparams(server):
         assert group["hparams"]["d_model"] == 64 and group["hparams"]["seed_everything"] == 1234
         metrics = {m["name"]["tag"]: m["value"] for m in group["sessions"][0]["metricValues"]}
         assert 0.0 <= metrics["val/acc"] <= 1.0 and metrics["val/loss"] > 0
+
+
+def test_hparams_yaml_keeps_the_nested_hyperparameters(log_root):
+    """hparams.yaml holds the model's arguments as given (nested), not the flat names of the HPARAMS tab."""
+    for name in RUNS:
+        (path,) = log_root.glob(f"{name}/version_*/hparams.yaml")
+        hparams = yaml.safe_load(path.read_text())
+        assert hparams["config"]["d_model"] == 64 and "d_model" not in hparams and "optimizer/lr" not in hparams
 
 
 def test_attention_image(server):
