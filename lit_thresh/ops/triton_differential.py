@@ -53,6 +53,25 @@ def _diff_fwd_update(
 
 
 @triton.jit
+def _key_tiles_and_scores(
+    q1, q2, tau, pos, k1_base, k2_base, offs_n, offs_d, stride_kt, stride_kd, TK, scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The key tiles k1, k2 (BLOCK_N, BLOCK_D) of keys offs_n and the shifted scores x_m = scale q_m k_m^T - tau
+    (BLOCK_M, BLOCK_N) of both maps, 0 on future keys where CAUSAL_MASK (the diagonal blocks)."""
+    k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
+    k1 = _load_tile(k1_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    k2 = _load_tile(k2_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    if CAUSAL_MASK:
+        visible = offs_n[None, :] <= pos[:, None]
+        x1 = tl.where(visible, x1, 0.0)
+        x2 = tl.where(visible, x2, 0.0)
+    return k1, k2, x1, x2
+
+
+@triton.jit
 def _diff_fwd_inner(
     acc, q1, q2, tau, lam, pos, k1_base, k2_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
     TK, scale, power, lo, hi,
@@ -64,15 +83,8 @@ def _diff_fwd_inner(
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
-        k1 = _load_tile(k1_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        k2 = _load_tile(k2_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        if CAUSAL_MASK:
-            visible = offs_n[None, :] <= pos[:, None]
-            x1 = tl.where(visible, x1, 0.0)
-            x2 = tl.where(visible, x2, 0.0)
+        k1, k2, x1, x2 = _key_tiles_and_scores(q1, q2, tau, pos, k1_base, k2_base, offs_n, offs_d, stride_kt,
+                                               stride_kd, TK, scale, D, BLOCK_D, CAUSAL_MASK, PRECISION, UPCAST)
         if SKIP_ZERO:
             if _any_live(x1) | _any_live(x2):
                 acc = _diff_fwd_update(acc, x1, x2, lam, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
@@ -285,15 +297,8 @@ def _diff_bwd_dq_inner(
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
-        k1 = _load_tile(k1_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        k2 = _load_tile(k2_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        if CAUSAL_MASK:
-            visible = offs_n[None, :] <= pos[:, None]
-            x1 = tl.where(visible, x1, 0.0)
-            x2 = tl.where(visible, x2, 0.0)
+        k1, k2, x1, x2 = _key_tiles_and_scores(q1, q2, tau, pos, k1_base, k2_base, offs_n, offs_d, stride_kt,
+                                               stride_kd, TK, scale, D, BLOCK_D, CAUSAL_MASK, PRECISION, UPCAST)
         if SKIP_ZERO:
             if _any_live(x1) | _any_live(x2):
                 dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
