@@ -12,12 +12,14 @@ gradients included). Rows: SDPA; the single op (beta learnable, so dbeta is comp
 fused (when lit_thresh.ops has it) and as two single calls; and rows on sparse maps: unit-norm q, k drawn
 around one direction per 512-position segment, beta set so that a measured 50 / 90 / 99% of the causal
 weights are zero, launched with skip_zero off and on (the measured zero fraction of weights and of 64x64
-tiles is printed). Host overhead: host time per call on tiny inputs, with no synchronisation in the loop.
+tiles is printed). Host overhead: host time per call on tiny inputs, with no synchronisation in the loop,
+and again with the op's Triton launches stubbed out (our Python alone; the difference is Triton's launcher).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import os
@@ -128,7 +130,7 @@ def format_table(results: Sequence[Result]) -> str:
 
 
 def format_host(results: Sequence[HostResult]) -> str:
-    return "\n".join(["host time per call (us), no synchronisation:"] + [f"  {r.variant:<40} {r.host_us:8.1f}" for r in results])
+    return "\n".join(["host time per call (us), no synchronisation:"] + [f"  {r.variant:<56} {r.host_us:8.1f}" for r in results])
 
 
 def write_csv(path: str, results: Sequence[Result], host: Sequence[HostResult] = ()) -> None:
@@ -297,30 +299,72 @@ def sparse_rows(dtype: torch.dtype, d: int, t: int, b: int, h: int, fractions: I
     return out
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid):
+        return _no_launch
+
+
+def _no_launch(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """The single op's Triton launches replaced by no-ops (its outputs are left unwritten): what remains of
+    a call's host time is our Python and the torch ops around the kernels, not Triton's launcher."""
+    from lit_thresh.ops import triton_launch
+
+    names = ("threshold_fwd_kernel", "threshold_bwd_dkv_kernel", "threshold_bwd_dq_kernel")
+    saved = {name: getattr(triton_launch, name) for name in names}
+    for name in names:
+        setattr(triton_launch, name, _NoLaunch())
+    try:
+        yield
+    finally:
+        for name, kernel in saved.items():
+            setattr(triton_launch, name, kernel)
+
+
+def _host_us(fn: Callable[[], object], calls: int) -> float:
+    """Host time per call, the loop never synchronising: on tiny inputs the GPU keeps up, so this is the
+    host's part alone, apart from kernel time."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
 def host_overhead(calls: int = 2000) -> list[HostResult]:
-    """Host time per call on tiny inputs, the loop never synchronising (kernel time is far below it)."""
+    """Host time per call on tiny (1, 2, 128, 64) bf16 inputs (kernel time is far below it). The single
+    op's cases run again with its Triton launches stubbed out ('no launch'): our Python and torch ops;
+    the difference is Triton's launcher. A float beta costs a torch.full per call; a model passes its (H,)
+    beta tensor."""
     from lit_thresh.ops import threshold_attention
 
     q, k, v = (_randn(1, 2, 128, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
     beta = torch.full((2,), 0.5, device="cuda", requires_grad=True)
+    beta_buffer = torch.full((2,), 0.5, device="cuda")
     dout = _randn(1, 2, 128, 64, dtype=torch.bfloat16)
-    cases = {
-        "threshold p=2 forward (no grad)": lambda: threshold_attention(q.detach(), k.detach(), v.detach(), 0.5, 2.0),
+    ours = {
+        "threshold p=2 forward (no grad)": lambda: threshold_attention(qd, kd, vd, 0.5, 2.0),
+        "threshold p=2 forward (no grad, (H,) beta)": lambda: threshold_attention(qd, kd, vd, beta_buffer, 2.0),
         "threshold p=2 forward + backward": lambda: threshold_attention(q, k, v, beta, 2.0).backward(dout),
-        "sdpa forward (no grad)": lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True),
+    }
+    sdpa = {
+        "sdpa forward (no grad)": lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True),
         "sdpa forward + backward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout),
     }
-    out = []
-    for name, fn in cases.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = time.perf_counter() - start
-        torch.cuda.synchronize()
-        out.append(HostResult(name, host / calls * 1e6))
+    out = [HostResult(name, _host_us(fn, calls)) for name, fn in {**ours, **sdpa}.items()]
+    with stubbed_launches():
+        out += [HostResult(f"{name} [no launch]", _host_us(fn, calls)) for name, fn in ours.items()]
     return out
 
 

@@ -22,7 +22,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_thresh import compare
@@ -40,10 +40,10 @@ from lit_thresh.callbacks import (
     TokenThroughput,
     TrainLossProgressBar,
 )
-from lit_thresh.callbacks.run_config import SaveConfigOnce, run_started
+from lit_thresh.callbacks.run_config import SaveConfigOnce, check_run_dir
 from lit_thresh.cli_errors import Parser, exit_on_input_error
 from lit_thresh.diagnostics import AttentionDiagnostics
-from lit_thresh.lightning_compat import add_subcommand, model_class
+from lit_thresh.lightning_compat import CkptPathCLI, add_subcommand, model_class
 from lit_thresh.module import LanguageModel
 from lit_thresh.preflight import check_optimization, check_val_check_interval
 from lit_thresh.resume import check_run, lock_run, read_for_run
@@ -82,7 +82,7 @@ QUIET_WARNINGS = (
 )
 
 
-class LitThreshCLI(LightningCLI):
+class LitThreshCLI(CkptPathCLI):
     """LightningCLI with a ``checkpoint`` group (ModelCheckpoint, the best), a ``step_checkpoint`` group
     (StepCheckpoint, last.ckpt every N steps, validation and epoch), a ``diagnostics`` group
     (AttentionDiagnostics), a ``sigterm`` group (SigtermCheck: under DDP, the ranks compare SIGTERM flags
@@ -114,11 +114,11 @@ class LitThreshCLI(LightningCLI):
         if self.config.get("subcommand") == "compare":  # runs the comparison, then exits: nothing to build
             sys.exit(compare.run(self.config.compare))
 
-    def _parse_ckpt_path(self) -> None:
-        """Replaces LightningCLI's, which overwrites the given model arguments with a checkpoint's
-        hyperparameters: here the checkpoint (for ``--ckpt_path last``, the run's it resumes) is read once
-        and checked before anything is built (lit_thresh.resume.read_for_run), and hyperparameters that
-        differ from the checkpoint's are an error (after_instantiate_classes)."""
+    def read_ckpt_path(self) -> None:
+        """Replaces LightningCLI's reading of ``ckpt_path`` (CkptPathCLI), which overwrites the given model
+        arguments with a checkpoint's hyperparameters: here the checkpoint (for ``--ckpt_path last``, the
+        run's it resumes) is read once and checked before anything is built (lit_thresh.resume.read_for_run),
+        and hyperparameters that differ from the checkpoint's are an error (after_instantiate_classes)."""
         self._checkpoint = None
         if subcommand := self.config.get("subcommand"):
             place_logs_under_root_dir(self.config[subcommand])  # `last` is looked up where the logs go
@@ -198,10 +198,10 @@ class LitThreshCLI(LightningCLI):
     def fit(self, **kwargs: Any) -> None:
         """trainer.fit; a fit stopped by SIGTERM (after StepCheckpoint saved last.ckpt) exits with status
         143 (128 + SIGTERM), so that schedulers and ``lit_thresh compare`` do not take it for finished.
-        A new fit into a directory that holds a run already is refused first (run_started); the fit holds
-        its run directory's lock (lit_thresh.resume.RunLock)."""
-        if rank_zero_only.rank == 0:  # before the launcher starts other ranks, which would find config.yaml
-            run_started(self.trainer.log_dir, kwargs.get("ckpt_path"))
+        A new fit into a directory that holds a run already is refused first (check_run_dir, once, before
+        the launcher starts other ranks); the fit holds the lock of the folders its checkpoints go to
+        (lit_thresh.resume.lock_run)."""
+        check_run_dir(self.trainer, kwargs.get("ckpt_path"))
         lock_run(self.trainer)  # a second process resuming this run is refused until this fit ends
         try:
             self.trainer.fit(**kwargs)

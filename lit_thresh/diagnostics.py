@@ -10,7 +10,7 @@ Per layer l and head h, measured on a small fixed validation batch (tags under `
 - ``head{h}/keys_attended``: mean number of nonzero causal weights per query, and
   ``head{h}/keys_attended_pos{a}-{b}``: the same over the queries at positions a..b (equal bins, a
   and b zero-padded: ``pos00-15`` ... ``pos48-63`` for T = 64).
-- ``head{h}/beta``, ``lambda``: the variant's ``Attention.diagnostic_values()`` (one per head, or one
+- ``head{h}/beta``, ``scale``, ``lambda``: the variant's ``Attention.diagnostic_values()`` (one per head, or one
   per layer for a 0-d value such as the Differential Transformer's lambda).
 - ``attention`` (image): the first sequence's map, heads side by side, each query row scaled by its
   largest |weight|: positive weights gray to white, negative ones red, zeros black.

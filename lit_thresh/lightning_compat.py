@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.trainer.states import RunningStage
 
 # (owner, attribute) of every private name used below, checked by tests/test_lightning_compat.py.
@@ -23,6 +24,7 @@ PRIVATE_NAMES = [
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_save_topk_checkpoint"),
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_should_skip_saving_checkpoint"),
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_monitor_candidates"),
+    ("lightning.pytorch.callbacks.ModelCheckpoint", "_ModelCheckpoint__resolve_ckpt_dir"),  # __resolve_ckpt_dir
     ("lightning.pytorch.callbacks.ThroughputMonitor", "_update"),
     ("lightning.pytorch.callbacks.ThroughputMonitor", "_t0s"),
     ("lightning.pytorch.callbacks.ThroughputMonitor", "_lengths"),
@@ -75,6 +77,13 @@ def save_checkpoint_now(callback: ModelCheckpoint, trainer: Trainer) -> None:
         callback._save_topk_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
+def checkpoint_dir(callback: ModelCheckpoint, trainer: Trainer) -> str:
+    """The folder `callback` saves into in a fit of `trainer`, as it resolves it when the fit starts: its
+    ``dirpath``, else ``<save_dir>/<name>/<version>/checkpoints`` of the first logger, else
+    ``<default_root_dir>/checkpoints`` (ModelCheckpoint's ``__resolve_ckpt_dir``)."""
+    return callback._ModelCheckpoint__resolve_ckpt_dir(trainer)
+
+
 def add_subcommand(parser: Any, name: str, subparser: Any, help: str) -> None:
     """Adds a subcommand of our own (not a Trainer method) to a parser LightningCLI gave its subcommands:
     jsonargparse's action holding them (``_subcommands_action``), as ``add_subcommands()`` may run once."""
@@ -84,6 +93,19 @@ def add_subcommand(parser: Any, name: str, subparser: Any, help: str) -> None:
 def model_class(cli: Any) -> type:
     """The LightningModule class a LightningCLI builds (``model_class``, or LightningModule in subclass mode)."""
     return cli._model_class
+
+
+class CkptPathCLI(LightningCLI):
+    """LightningCLI whose reading of a subcommand's ``ckpt_path``, right after the arguments are parsed and
+    before any class is built, is ``read_ckpt_path`` (Lightning's ``_parse_ckpt_path`` replaces the given
+    model arguments with the checkpoint's hyperparameters)."""
+
+    def _parse_ckpt_path(self) -> None:
+        self.read_ckpt_path()
+
+    def read_ckpt_path(self) -> None:
+        """Reads and checks the parsed subcommand's ``ckpt_path`` (``self.config``)."""
+        raise NotImplementedError(f"{type(self).__name__} must give its read_ckpt_path")
 
 
 class LoggedStepSyncThroughputMonitor(ThroughputMonitor):

@@ -1,7 +1,9 @@
 """Checks of a built run that Lightning would only make once the run directory and config.yaml exist:
 each raises a ValueError naming the setting, before anything is written."""
 
+import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -48,6 +50,22 @@ def check_optimization(model: LightningModule) -> None:
         _check_finite("model.lr_scheduler", optimizer)  # the lr it starts with
 
 
+def _set_up_already(datamodule: LightningDataModule, name: str, pid: int, *args: Any, **kwargs: Any) -> None:
+    """The DataModule's `name` (``prepare_data`` or ``setup``) as the fit calls it next (_keep_set_up): puts
+    the DataModule's own method back and does nothing, as its data are there; in a process other than
+    `pid` (a rank spawned with a copy of the DataModule), runs it."""
+    del vars(datamodule)[name]
+    if os.getpid() != pid:
+        getattr(datamodule, name)(*args, **kwargs)
+
+
+def _keep_set_up(datamodule: LightningDataModule) -> None:
+    """Has the next ``prepare_data()`` and ``setup(stage)`` of a DataModule set up for fit already (those
+    of the fit Lightning runs next) do nothing: instance attributes shadow both methods until called."""
+    for name in ("prepare_data", "setup"):
+        setattr(datamodule, name, functools.partial(_set_up_already, datamodule, name, os.getpid()))
+
+
 def _epoch_batches(trainer: Trainer, datamodule: LightningDataModule) -> int | None:
     """The training batches an epoch of `datamodule` takes on each rank, after ``limit_train_batches``;
     None for a loader without a length. Sets the DataModule up for fit (prepare_data and setup)."""
@@ -71,7 +89,7 @@ def _epoch_batches(trainer: Trainer, datamodule: LightningDataModule) -> int | N
 def check_val_check_interval(trainer: Trainer, datamodule: LightningDataModule | None) -> None:
     """Raises ValueError when ``trainer.val_check_interval`` is a number of batches longer than an epoch
     (with ``check_val_every_n_epoch`` set, validation would never run). Sets the data up to count its
-    batches (in the launching process only)."""
+    batches (in the launching process only), for the fit that follows too: it does not set them up again."""
     interval = trainer.val_check_interval
     counted = isinstance(interval, int) and trainer.check_val_every_n_epoch is not None
     if not counted or datamodule is None or rank_zero_only.rank != 0:
@@ -83,3 +101,4 @@ def check_val_check_interval(trainer: Trainer, datamodule: LightningDataModule |
             f"batches): give at most {batches}, a fraction of the epoch (e.g. 0.5), or set "
             "trainer.check_val_every_n_epoch to null to count batches across epochs"
         )
+    _keep_set_up(datamodule)  # for the fit, which would set the data up again

@@ -4,8 +4,8 @@
 an explicit path and ``last`` go through the same checks: the file is read once, with
 ``weights_only=True`` (a checkpoint whose pickle would run code is refused), before any class is built
 (:func:`read_for_run`); once model and data are built, its weights, model hyperparameters and training
-order must fit them (:func:`check_run`). A fit then holds its run directory's lock (:class:`RunLock`),
-so that a second process resuming the same run is refused instead of writing into it too.
+order must fit them (:func:`check_run`). A fit then holds the lock of the folders its checkpoints go to
+(:func:`lock_run`), so that a second process resuming the same run is refused instead of writing into it too.
 """
 
 import dataclasses
@@ -27,9 +27,10 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_thresh.cli_errors import one_line
 from lit_thresh.data.resumable import ResumableDataModule
+from lit_thresh.lightning_compat import checkpoint_dir
 
 LAST = ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION  # last.ckpt
-LOCK_NAME = ".lit_thresh.lock"  # in the run directory, held by the fit writing into it
+LOCK_NAME = ".lit_thresh.lock"  # in a run's folder (lock_run), held by the fit writing into it
 # ckpt_path values Lightning resolves itself rather than reading a file (and "registry:...").
 SPECIAL_CKPT_PATHS = ("best", "last", "hpc", "registry")
 
@@ -225,16 +226,17 @@ def check_run(
 
 
 class RunLock(Callback):
-    """Holds ``<run directory>/.lit_thresh.lock`` from before a fit writes anything until it ends, so that a
-    second process resuming the same run (``--ckpt_path last``) is refused instead of writing into it
-    too. Taken by the launching process only (rank 0; the ranks a DDP launcher starts inherit the run)."""
+    """Holds ``<folder>/.lit_thresh.lock`` (a run directory, or a checkpoint folder: lock_run) from before a
+    fit writes anything until it ends, so that a second process resuming the same run (``--ckpt_path
+    last``) is refused instead of writing into it too. Taken by the launching process only (rank 0; the
+    ranks a DDP launcher starts inherit the run)."""
 
-    def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / LOCK_NAME
+    def __init__(self, folder: str | Path) -> None:
+        self.path = Path(folder) / LOCK_NAME
         self._lock = FileLock(self.path, timeout=0)
 
     def acquire(self) -> None:
-        """Takes the lock; ValueError naming the run directory when another process holds it."""
+        """Takes the lock; ValueError naming the folder when another process holds it."""
         if rank_zero_only.rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,8 +244,8 @@ class RunLock(Callback):
             self._lock.acquire()
         except Timeout:
             raise ValueError(
-                f"{self.path.parent}: another lit_thresh run is writing into this run directory (it holds "
-                f"{self.path.name}); wait for it to end, or stop it, before resuming the run"
+                f"{self.path.parent}: another lit_thresh run is writing into this folder (it holds "
+                f"{self.path.name}); wait for it to end or stop it, or give this run another folder"
             ) from None
 
     def release(self) -> None:
@@ -257,9 +259,37 @@ class RunLock(Callback):
         self.release()
 
 
+def run_folders(trainer: Trainer) -> list[Path]:
+    """The local folders a fit of `trainer` locks: each folder its checkpoints go to, except that
+    checkpoints in a logger's run directory (``<save_dir>/<name>/<version>/checkpoints``, the default)
+    lock that run directory, logs included; without checkpoints, the logger's directory (``log_dir``)."""
+    folders = []
+    for callback in trainer.checkpoint_callbacks:
+        folder = str(checkpoint_dir(callback, trainer))
+        in_run_dir = callback.dirpath is None and bool(trainer.loggers)
+        folders.append(os.path.dirname(folder) if in_run_dir else folder)
+    if not folders and trainer.loggers:
+        folders.append(str(trainer.log_dir))
+    local = {os.path.realpath(folder): Path(folder) for folder in folders if "://" not in folder}
+    return list(local.values())  # one per real path: `checkpoint` and `step_checkpoint` share theirs
+
+
 def lock_run(trainer: Trainer) -> None:
-    """Locks the directory a fit writes into (``trainer.log_dir``: the logger's run directory) until the
-    fit ends (RunLock); ValueError when another process holds it."""
-    lock = RunLock(trainer.log_dir)
-    lock.acquire()
-    trainer.callbacks.append(lock)
+    """Locks the folders a fit of `trainer` writes its checkpoints into (run_folders) until the fit ends
+    (RunLock); ValueError naming the folder when another process holds one. In the launching process."""
+    if rank_zero_only.rank != 0:
+        return
+    checkpoint_folders = {os.path.realpath(checkpoint_dir(c, trainer)) for c in trainer.checkpoint_callbacks}
+    locks: list[RunLock] = []
+    try:
+        for folder in run_folders(trainer):
+            new = not folder.is_dir() or all(path.name == LOCK_NAME for path in folder.iterdir())
+            locks.append(RunLock(folder))
+            locks[-1].acquire()
+            if new and os.path.realpath(folder) in checkpoint_folders:  # it holds no checkpoints, only the lock
+                expect_checkpoints_in(folder)
+    except ValueError:
+        for lock in locks:
+            lock.release()
+        raise
+    trainer.callbacks.extend(locks)

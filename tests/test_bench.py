@@ -88,6 +88,23 @@ def test_csv_round_trip(tmp_path):
     assert rows[-1]["variant"] == "threshold p=2 forward (no grad)" and float(rows[-1]["host_us"]) == 14.5
 
 
+def test_stubbed_launches_skip_the_kernels_and_restore_them():
+    """host_overhead's 'no launch' rows: the op runs its Python and torch ops, forward and backward, with
+    no Triton launch; the kernels are back afterwards."""
+    from lit_thresh.ops import threshold_attention, triton_launch
+
+    kernels = (triton_launch.threshold_fwd_kernel, triton_launch.threshold_bwd_dkv_kernel, triton_launch.threshold_bwd_dq_kernel)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
+    q, k, v = (torch.ones(1, 2, 8, 16, device=device, requires_grad=True) for _ in range(3))
+    beta = torch.full((2,), 0.5, device=device, requires_grad=True)
+    with bench.stubbed_launches():
+        out = threshold_attention(q, k, v, beta, 2.0, backend="triton")
+        out.backward(torch.ones_like(out))
+        assert triton_launch.threshold_fwd_kernel not in kernels
+    assert out.shape == (1, 2, 8, 16) and all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v, beta))
+    assert (triton_launch.threshold_fwd_kernel, triton_launch.threshold_bwd_dkv_kernel, triton_launch.threshold_bwd_dq_kernel) == kernels
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without CUDA")
 def test_without_cuda_exits_with_a_clear_error(capsys):
     with pytest.raises(SystemExit) as exit_info:

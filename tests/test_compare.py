@@ -1,6 +1,7 @@
 """``lit_thresh compare``: a tiny version of Zoology's grid (configs/compare/zoology_grid.yaml), its two runs
 at once through the installed command on CPU, its resumption; and on their own: the grid's expansion and
-folder names, the best value per cell, --rerun, --only/--list, the argument checks, the table, CSV and plot."""
+folder names, the best value per cell, --rerun, --only/--list, the argument checks, the table, CSV and plot.
+tests/test_compare_runs.py: resuming unfinished runs, changed config contents, locks, the best checkpoint."""
 
 import csv
 import json
@@ -172,6 +173,44 @@ def test_grid_expands_to_stably_named_runs_with_their_overrides(tmp_path):
     assert plan.expand(cfg)[0].name == "softmax/a.lr=1,b.lr=2/seed0"
 
 
+def test_exclude_leaves_out_the_cells_it_matches(tmp_path):
+    grid = {"qk": {"plain": {"a.qk_norm": False}, "norm": {"a.qk_norm": True}},
+            "model.config.attention.init_args.power": [1.0, 2.0], "model.optimizer.init_args.lr": [1.0e-3, 2.0e-3]}
+    exclude = [{"qk": "plain", "power": 1.0}, {"qk": ["plain"], "model.optimizer.init_args.lr": [2.0e-3]}]
+    cfg = plan.parse(["--config", str(write_grid(tmp_path, grid=grid, exclude=exclude, seeds=[0],
+                                                 variants={"threshold": {}}))])
+    cells = [",".join(f"{axis}={label}" for axis, label in run.cell) for run in plan.expand(cfg)]
+    assert cells == ["qk=plain,power=2.0,lr=0.001"] + [f"qk=norm,power={p},lr={lr}" for p in ("1.0", "2.0")
+                                                       for lr in ("0.001", "0.002")]
+    assert [run.index for run in plan.expand(cfg)] == list(range(5))  # numbered after the exclusion (--only)
+
+
+@pytest.mark.parametrize(
+    ("exclude", "message"),
+    [
+        ([{"dropout": 0.1}], r"exclude\[0\]: 'dropout' is not a grid axis \(qk, lr\)"),
+        ([{"qk": "other"}], r"exclude\[0\].qk: \['other'\] not among its labels \(norm, plain\)"),
+        ([{"lr": 1}], r"exclude\[0\].lr: \['1'\] not among its labels \(0.001\)"),
+        ([{}], r"exclude\[0\]: give axis -> label"),
+        ([{"qk": ["plain", "norm"]}], "exclude: it leaves out every cell of the grid"),
+    ],
+)
+def test_bad_exclude_is_a_clear_error(tmp_path, exclude, message):
+    grid = {"qk": {"plain": {"a.b": 1}, "norm": {"a.b": 2}}, "model.optimizer.init_args.lr": [1.0e-3]}
+    with pytest.raises(ValueError, match=message):
+        plan.expand(plan.parse(["--config", str(write_grid(tmp_path, grid=grid, exclude=exclude))]))
+
+
+def test_a_variant_mixes_config_files_and_overrides_in_order(tmp_path):
+    variants = {"threshold": ["beta.yaml", {"model.config.attention.init_args.beta": 2.0}, "tiny.yaml"]}
+    cfg = plan.parse(["--config", str(write_comparison(tmp_path, variants=variants))])
+    args = plan.run_args(cfg, plan.expand(cfg)[0])
+    assert args[2:] == [f"--config={tmp_path / 'beta.yaml'}", "--model.config.attention.init_args.beta=2.0",
+                        f"--config={tmp_path / 'tiny.yaml'}"]
+    with pytest.raises(ValueError, match="variants.threshold: override keys are dotted options"):
+        plan.parse(["--config", str(write_comparison(tmp_path, variants={"threshold": ["beta.yaml", {"-x": 1}]}))])
+
+
 def test_inf_and_nan_reach_the_runs_as_the_command_takes_them(tmp_path, capsys, monkeypatch):
     variants = {"a": {"trainer.gradient_clip_val": math.inf, "model.x": [-math.inf, math.nan], "model.y": "inf"}}
     cfg = plan.parse(["--config", str(write_grid(tmp_path, variants=variants, grid={}))])
@@ -309,17 +348,6 @@ def test_plot_against_a_grid_axis_has_a_panel_per_label_and_a_line_per_variant(t
             assert list(line.get_ydata()) == pytest.approx([results[run]["metrics"]["best/val/acc"] for run in runs])
 
 
-def test_best_checkpoint(tmp_path):
-    checkpoints = tmp_path / "checkpoints"
-    with pytest.raises(runner.RunFailed, match="no checkpoint to test"):
-        runner.best_checkpoint(tmp_path)
-    checkpoints.mkdir()
-    (checkpoints / "last.ckpt").touch()
-    assert runner.best_checkpoint(tmp_path) == checkpoints / "last.ckpt"
-    (checkpoints / "epoch=3-step=40.ckpt").touch()
-    assert runner.best_checkpoint(tmp_path) == checkpoints / "epoch=3-step=40.ckpt"
-
-
 def fake_fit(tags: dict[str, float], calls: list):
     """A stand-in for runner.launch: records the call and writes what a fit leaves (config.yaml, events)."""
 
@@ -346,7 +374,8 @@ def test_changed_arguments_are_skipped_with_a_warning_and_rerun_keeps_the_old_ru
     assert len(calls) == 1 and first["metrics"]["val/acc"] == 0.25
 
     compare.main(["--config", config, *root, "--", "--trainer.max_epochs=3"])
-    assert len(calls) == 1 and "done before with other arguments, skipped; --rerun" in capsys.readouterr().out
+    assert len(calls) == 1 and ("done before with another configuration (newly given: --trainer.max_epochs=3), "
+                                "skipped; --rerun") in capsys.readouterr().out
 
     monkeypatch.setattr(runner, "launch", fake_fit({"val/acc": 0.5}, calls))
     compare.main(["--config", config, *root, "--rerun", "--", "--trainer.max_epochs=3"])
@@ -371,7 +400,7 @@ def test_unfinished_run_starts_over_and_a_failure_names_it(tmp_path, monkeypatch
     monkeypatch.setattr(runner, "launch", failing_launch)
     with pytest.raises(SystemExit, match=r"threshold/seed0.*exited with code 1; see .*threshold/seed0/fit\.log"):
         compare.main(["--config", config, "--root", str(root)])
-    assert launched == [("fit", "threshold/seed0", [])]  # only the unfinished run, in a fresh folder
+    assert launched == [("fit", "threshold/seed0", ["started.json"])]  # only the unfinished run, in a fresh folder
     assert (root / "threshold" / "seed0.old-1" / "fit.log").is_file()  # the unfinished one, kept
 
 

@@ -1,7 +1,9 @@
 """Every private Lightning name lit_thresh uses (lit_thresh.lightning_compat) still exists in the installed
 Lightning: a release that drops or renames one fails here, naming it, rather than deep inside a run."""
 
+import ast
 import importlib
+from pathlib import Path
 
 import pytest
 from lightning.pytorch.callbacks import ThroughputMonitor
@@ -36,6 +38,29 @@ def test_private_lightning_name_exists(instances, owner, name):
         f"{owner}.{name} is gone from the installed version: update lit_thresh/lightning_compat.py (and "
         "the `lightning` bound in pyproject.toml) to this version's equivalent"
     )
+
+
+def test_private_lightning_names_are_used_in_lightning_compat_only():
+    """No other module of the package defines, reads or names (getattr) a private name of PRIVATE_NAMES, so
+    the test above covers every one. (Those without a leading underscore are public names elsewhere.)"""
+    private = {name for _, name in lightning_compat.PRIVATE_NAMES if name.startswith("_")}
+    package = Path(lightning_compat.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == Path(lightning_compat.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = node.name
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                name = node.value
+            else:
+                continue
+            if name in private:
+                found.append(f"{path.relative_to(package.parent)}:{node.lineno} {name}")
+    assert not found, f"private Lightning names outside lit_thresh/lightning_compat.py: {found}"
 
 
 def test_should_update_logs_follows_log_every_n_steps(instances):

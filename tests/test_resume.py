@@ -20,9 +20,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import StackDataset
 
 from lit_thresh.checkpoint_io import AtomicCheckpointIO, temporary_files
-from lit_thresh.cli import main
+from lit_thresh.cli import build_cli, main
 from lit_thresh.data.resumable import ResumableSampler
-from lit_thresh.resume import RunLock
+from lit_thresh.resume import LOCK_NAME, RunLock, run_folders
 from tests.test_nan_guard import TINY as NAN_TINY
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
@@ -248,6 +248,49 @@ def test_resume_refuses_a_run_another_process_writes(runs, monkeypatch, tmp_path
     holder.release()
     assert "lightning_logs/tiny/version_0: another lit_thresh run is writing" in str(exit_info.value.code)
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before
+
+
+@pytest.mark.parametrize(
+    "args,locked",
+    [
+        ([], "lightning_logs/nan/version_0"),  # the checkpoints' run directory, logs included
+        (["--checkpoint.dirpath=ckpts"], "ckpts"),
+        (["--trainer.logger=false"], "checkpoints"),  # <default_root_dir>/checkpoints
+        (["--trainer.enable_checkpointing=false"], "lightning_logs/nan/version_0"),  # the logs only
+    ],
+)
+def test_a_fit_locks_the_folder_its_checkpoints_go_to(tmp_path, monkeypatch, args, locked):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(NAN_TINY)
+    trainer = build_cli(["--config", "tiny.yaml", *args], run=False).trainer
+    assert [folder.resolve() for folder in run_folders(trainer)] == [(tmp_path / locked).resolve()]
+
+
+@pytest.mark.parametrize("args", [["--checkpoint.dirpath=ckpts"], ["--trainer.logger=false"]])
+def test_a_resume_into_a_locked_checkpoint_folder_is_refused(tmp_path, monkeypatch, args):
+    """A checkpoint folder outside a logger's run directory (a given dirpath, or no logger) is locked: a
+    second process resuming from it is refused before it writes anything, wherever its logs would go."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(NAN_TINY)
+    args = ["fit", "--config", "tiny.yaml", "--ckpt_path", "last", "--step_checkpoint.every_n_train_steps=2", *args]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main([*args, "--trainer.max_steps=2"])
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]  # its lock is no other run's
+    (lock,) = tmp_path.rglob(LOCK_NAME)
+    folder = lock.parent
+    assert folder.name == ("ckpts" if "ckpts" in args[-1] else "checkpoints") and (folder / "last.ckpt").is_file()
+
+    holder = RunLock(folder)  # as the first fit, still writing into it, holds it
+    holder.acquire()
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--trainer.max_steps=4"])
+    finally:
+        holder.release()
+    assert f"{folder.resolve()}: another lit_thresh run is writing into this folder" in str(exit_info.value.code)
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
 
 
 def test_a_resume_stopped_mid_epoch_warns_of_nothing(tmp_path, monkeypatch):

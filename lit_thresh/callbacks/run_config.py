@@ -4,6 +4,7 @@ import os
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_only
 
 FIT_CONFIG = "config.yaml"
 
@@ -12,8 +13,12 @@ class SaveConfigOnce(SaveConfigCallback):
     """LightningCLI's SaveConfigCallback: a fit writes ``config.yaml`` into its run directory when it
     starts, and a resumed fit (``ckpt_path`` given) leaves an existing one as it is; ``validate``, ``test``
     and ``predict`` write their own ``config_<stage>.yaml`` beside it (overwriting an earlier one of theirs),
-    never ``config.yaml``. A new fit into a directory that already holds a run's ``config.yaml`` is a
-    ValueError: it would write over that run's logs and checkpoints."""
+    never ``config.yaml``.
+
+    Whether the run directory holds a run already is decided once, before the fit starts, by the launching
+    process (check_run_dir, which refuses a new fit over a run); every rank takes its answer here. A fit
+    that did not ask check_run_dir (a Trainer driven directly, after ``build_cli(run=False)``) gets
+    Lightning's own check: a RuntimeError on every rank when ``config.yaml`` exists."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -21,9 +26,7 @@ class SaveConfigOnce(SaveConfigCallback):
             super().setup(trainer, pl_module, stage)
             return
         self.config_filename, self.overwrite = FIT_CONFIG, False
-        log_dir = trainer.log_dir  # broadcast from rank 0
-        started = trainer.is_global_zero and run_started(log_dir, self.config.get("ckpt_path"))
-        self.already_saved = trainer.strategy.broadcast(started)  # a resumed run keeps its first config.yaml
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)  # rank 0's, from check_run_dir
         super().setup(trainer, pl_module, stage)
 
 
@@ -38,3 +41,16 @@ def run_started(log_dir: str | None, ckpt_path: str | None) -> bool:
             "--ckpt_path, or leave trainer.logger.init_args.version unset for a new run directory"
         )
     return True
+
+
+def check_run_dir(trainer: Trainer, ckpt_path: str | None) -> None:
+    """The one check of the run directory a fit of `trainer` writes into (``trainer.log_dir``, run_started),
+    made by the launching process before the fit starts, and so before a DDP launcher starts the other
+    ranks: a ValueError for a new fit over a run; for a resume, the trainer's SaveConfigOnce keeps the
+    run's ``config.yaml`` (on every rank: they take this process's answer in its setup)."""
+    if rank_zero_only.rank != 0:
+        return
+    started = run_started(trainer.log_dir, ckpt_path)
+    for callback in trainer.callbacks:
+        if isinstance(callback, SaveConfigOnce):
+            callback.already_saved = started

@@ -1,14 +1,16 @@
 """``lit_thresh compare --config configs/compare/mqar.yaml``: train every variant × grid cell × seed of a
 comparison, then tabulate and plot their final metrics (docs/compare.md).
 
-A comparison YAML names the ``base`` configs, the ``variants`` (each a dict of dotted overrides or a list
-of extra config files), the ``seeds`` and optionally a ``grid`` of overrides swept for every variant and a
-``select`` (the best value of some axes per cell, e.g. the learning rate). Every run is a subprocess of the
-real command (``python -m lit_thresh fit ...``, then ``test`` from the fit's saved config.yaml and best
-checkpoint), logging to ``ROOT/VARIANT[/CELL]/seedS``; runs go several at once over the visible GPUs
-(``--runs_per_device``, ``--devices_per_run``). Finished runs (their ``results.json``) are skipped, so an
-interrupted comparison resumes. At the end ``ROOT/results.md``, ``results.csv`` and ``results.png`` are
-written and the table printed. Arguments after ``--`` are passed to every run.
+A comparison YAML names the ``base`` configs, the ``variants`` (each a dict of dotted overrides, or a list
+of extra config files and dicts of overrides), the ``seeds`` and optionally a ``grid`` of overrides swept
+for every variant (``exclude``: cells left out) and a ``select`` (the best value of some axes per cell,
+e.g. the learning rate). Every run is a subprocess of the real command (``python -m lit_thresh fit ...``,
+then ``test`` from the fit's saved config.yaml and best checkpoint), logging to ``ROOT/VARIANT[/CELL]/seedS``;
+runs go several at once over the visible GPUs (``--runs_per_device``, ``--devices_per_run``). Finished runs
+(their ``results.json``, made with the same config contents and arguments) are skipped and unfinished ones
+resume from their ``last.ckpt``, so an interrupted comparison resumes. At the end ``ROOT/results.md``,
+``results.csv`` and ``results.png`` are written and the table printed. Arguments after ``--`` are passed
+to every run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from jsonargparse import Namespace
 from lit_thresh.compare.plan import HELP, Run, axis_names, build_parser, expand, parse, prepare, run_args
 from lit_thresh.compare.results import RESULTS
 from lit_thresh.compare.report import make_rows, write_report
-from lit_thresh.compare.runner import Interrupted, RunFailed, device_slots, run_all, signals_as_interrupt
+from lit_thresh.compare.runner import Interrupted, RunFailed, device_slots, finished, run_all, signals_as_interrupt
 
 __all__ = ["HELP", "RunFailed", "build_parser", "expand", "main", "parse", "run", "run_args"]
 
@@ -53,6 +55,14 @@ def run(cfg: Namespace) -> int:
     runs = expand(cfg)
     if cfg.list:
         print_runs(runs, Path(cfg.root))
+        return 0
+    if cfg.report_only:
+        results = {one: result for one in runs if (result := finished(cfg, one, show=False)) is not None}
+        if not results:
+            raise SystemExit(f"lit_thresh compare: no run of {len(runs)} is finished under {cfg.root}: "
+                             "nothing to report")
+        print(f"lit_thresh compare: the report of the {len(results)} finished runs of {len(runs)} (--report_only)")
+        report_results(cfg, results)
         return 0
     if cfg.only is not None and not 0 <= cfg.only < len(runs):
         raise ValueError(f"only: give a run number of --list, 0 to {len(runs) - 1}, got {cfg.only}")

@@ -2,7 +2,8 @@
 
 A grid axis is either a dotted override and its values (``model.optimizer.init_args.lr: [3.0e-4, 1.0e-3]``)
 or a labelled axis: a name and, per label, the overrides it sets together
-(``L: {"64": {data.init_args.train: [...], data.init_args.val: [...]}}``). A run's folder is
+(``L: {"64": {data.init_args.train: [...], data.init_args.val: [...]}}``); ``exclude`` leaves out the
+cells that match partial cells (``{model: plain, lr: 0.002}``). A run's folder is
 ``ROOT/VARIANT[/CELL]/seedS``, CELL naming the grid values (``L=64,d_model=128,lr=0.001``): the same YAML
 gives the same folders.
 """
@@ -75,9 +76,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--base", type=list[Path_fr], required=True, help="LightningCLI configs every run starts from.")
     parser.add_argument(
         "--variants",
-        type=dict[str, dict | list[Path_fr]],  # plain dict: values kept as written
+        type=dict[str, dict | list[Path_fr | dict]],  # plain dicts: values kept as written
         required=True,
-        help="name -> dotted overrides ({model.attention: lit_thresh.attention.SoftmaxAttention}) or extra configs.",
+        help="name -> dotted overrides ({model.attention: lit_thresh.attention.SoftmaxAttention}), or a list of "
+        "extra configs and dicts of dotted overrides, applied in order.",
     )
     parser.add_argument("--seeds", type=list[int], required=True, help="Every variant and cell runs once per seed.")
     parser.add_argument(
@@ -85,6 +87,12 @@ def build_parser() -> ArgumentParser:
         type=dict[str, list | dict],  # plain containers: values kept as written
         default={},
         help="Axes swept for every variant: dotted option -> values, or axis name -> {label: overrides}.",
+    )
+    parser.add_argument(
+        "--exclude",
+        type=list[dict],  # plain dicts: values kept as written
+        default=[],
+        help="Partial cells left out of the grid: axis -> label or list of labels; a cell matching all is left out.",
     )
     parser.add_argument("--select", type=Select | None, default=None, help="Axes to keep the best value of.")
     parser.add_argument("--plot", type=PlotAxes | None, default=None, help="Key metric against a grid axis.")
@@ -103,6 +111,8 @@ def build_parser() -> ArgumentParser:
                         help="Runs at once per GPU (per group of devices_per_run GPUs); on CPU: runs at once.")
     parser.add_argument("--devices_per_run", type=int, default=1, help="GPUs per run (DDP when more than 1).")
     parser.add_argument("--list", action="store_true", help="Print the runs, numbered, and their state; run nothing.")
+    parser.add_argument("--report_only", action="store_true",
+                        help="Write and print the report of the runs finished so far; run nothing.")
     parser.add_argument("--only", type=int | None, default=None,
                         help="Run only run number ONLY of --list (e.g. a SLURM array task), on the given devices.")
     parser.add_argument("run_args", nargs="*", type=str, help="Arguments after `--`: passed to every run.")
@@ -158,10 +168,12 @@ def _check(cfg: Namespace) -> None:
     for name, spec in cfg.variants.items():
         if not NAME.fullmatch(name):
             raise ValueError(f"variants: name {name!r} must be letters, digits, '_', '.', '+', '-' (it names a folder)")
-        if isinstance(spec, dict):
-            _check_overrides(f"variants.{name}", spec)
+        for item in [spec] if isinstance(spec, dict) else spec:
+            if isinstance(item, dict):
+                _check_overrides(f"variants.{name}", item)
     for axis, values in cfg.grid.items():
         grid_labels(axis, values)
+    exclusions(cfg)
     if not any(fnmatch.fnmatchcase(cfg.key_metric, pattern) for pattern in cfg.metrics):
         raise ValueError(f"key_metric {cfg.key_metric!r} is not matched by any of metrics {cfg.metrics}")
     if cfg.select is not None:
@@ -240,24 +252,55 @@ def grid_overrides(cfg: Namespace) -> dict[tuple[str, str], dict[str, Any]]:
             for label, overrides in grid_labels(axis, values).items()}
 
 
+def exclusions(cfg: Namespace) -> list[dict[str, set[str]]]:
+    """``exclude`` as axis name -> the labels it leaves out, per entry; ValueError naming an entry whose axis
+    or label is not in the grid. An axis is named as in ``grid`` or as in the folders (``lr``)."""
+    names = axis_names(cfg)
+    labels = {names[axis]: set(grid_labels(axis, values)) for axis, values in cfg.grid.items()}
+    entries = []
+    for index, entry in enumerate(cfg.exclude):
+        where = f"exclude[{index}]"
+        if not isinstance(entry, dict) or not entry:
+            raise ValueError(f"{where}: give axis -> label (or a list of labels), got {entry!r}")
+        parsed = {}
+        for axis, values in entry.items():
+            name = names.get(axis, axis)
+            if name not in labels:
+                raise ValueError(f"{where}: {axis!r} is not a grid axis ({', '.join(labels)})")
+            given = {cli_value(value) for value in (values if isinstance(values, list) else [values])}
+            unknown = sorted(given - labels[name])
+            if not given or unknown:
+                raise ValueError(f"{where}.{axis}: {unknown or values!r} not among its labels "
+                                 f"({', '.join(sorted(labels[name]))})")
+            parsed[name] = given
+        entries.append(parsed)
+    return entries
+
+
 def expand(cfg: Namespace) -> list[Run]:
-    """Every run of the comparison, numbered: for each seed, each grid cell (grid order), each variant."""
+    """Every run of the comparison, numbered: for each seed, each grid cell (grid order) that ``exclude``
+    leaves in, each variant."""
     names = axis_names(cfg)
     axes = [[(names[axis], label) for label in grid_labels(axis, values)] for axis, values in cfg.grid.items()]
-    cells = list(itertools.product(*axes))
+    excluded = exclusions(cfg)
+    cells = [cell for cell in itertools.product(*axes)
+             if not any(all(dict(cell)[axis] in given for axis, given in entry.items()) for entry in excluded)]
+    if not cells:
+        raise ValueError("exclude: it leaves out every cell of the grid")
     combos = [(seed, cell, variant) for seed in cfg.seeds for cell in cells for variant in cfg.variants]
     return [Run(index, variant, tuple(cell), seed) for index, (seed, cell, variant) in enumerate(combos)]
 
 
 def run_args(cfg: Namespace, run: Run) -> list[str]:
-    """The run's configuration: base configs, the variant's configs or overrides, its grid cell's
-    overrides, the extra arguments (later ones win)."""
+    """The run's configuration: base configs, the variant's configs and overrides (in their order), its
+    grid cell's overrides, the extra arguments (later ones win)."""
     args = [f"--config={Path(path.absolute).resolve()}" for path in cfg.base]
     spec = cfg.variants[run.variant]
-    if isinstance(spec, list):
-        args += [f"--config={Path(path.absolute).resolve()}" for path in spec]
-    else:
-        args += [f"--{key}={cli_value(value)}" for key, value in spec.items()]
+    for item in [spec] if isinstance(spec, dict) else spec:
+        if isinstance(item, dict):
+            args += [f"--{key}={cli_value(value)}" for key, value in item.items()]
+        else:
+            args.append(f"--config={Path(item.absolute).resolve()}")
     overrides = grid_overrides(cfg)
     for axis_label in run.cell:
         args += [f"--{key}={cli_value(value)}" for key, value in overrides[axis_label].items()]

@@ -1,9 +1,11 @@
 """Running a comparison's runs: each a ``lit_thresh fit`` (then ``test``) subprocess, several at once over
 the visible GPUs (each pinned with CUDA_VISIBLE_DEVICES) or the CPU (OMP_NUM_THREADS split between them).
 
-A run is finished once its ``results.json`` exists; finished runs are skipped, unfinished ones start over
-(their old folder kept as ``<folder>.old-N``). A failing run stops the comparison (no new run starts, the
-running ones finish) unless ``--keep_going``. Ctrl-C terminates every run (Interrupted).
+A run is finished once its ``results.json`` exists; finished runs made with the configuration asked for
+now are skipped. An unfinished run started with it resumes from its ``last.ckpt``; any other folder of a
+run to run is kept as ``<folder>.old-N`` and the run starts over (lit_thresh.compare.state, which also
+holds the locks that keep a second compare off a live run). A failing run stops the comparison (no new
+run starts, the running ones finish) unless ``--keep_going``. Ctrl-C terminates every run (Interrupted).
 """
 
 from __future__ import annotations
@@ -27,12 +29,20 @@ from jsonargparse import Namespace
 
 from lit_thresh.compare.plan import Run, run_args
 from lit_thresh.compare.results import RESULTS, eval_length, final_scalars, write_atomic
+from lit_thresh.compare.state import (
+    STARTED,
+    CannotResume,
+    RunFailed,
+    best_checkpoint,
+    change,
+    check_not_in_use,
+    move_aside,
+    record,
+    resume_point,
+    run_lock,
+)
 
 STOP_TIMEOUT_S = 30  # after SIGTERM, how long a run may take to stop before SIGKILL
-
-
-class RunFailed(RuntimeError):
-    """A run of the comparison exited with an error."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -135,18 +145,6 @@ def launch(subcommand: str, args: Sequence[str], log: Path, run: str, env: dict[
         raise RunFailed(f"run {run}: `lit_thresh {subcommand}` exited with code {process.returncode}; see {log}")
 
 
-def best_checkpoint(run_dir: Path) -> Path:
-    """The checkpoint ModelCheckpoint kept besides last.ckpt (its best, with the default save_top_k=1),
-    else last.ckpt."""
-    checkpoints = run_dir / "checkpoints"
-    best = [path for path in checkpoints.glob("*.ckpt") if not path.name.startswith("last")]
-    if len(best) == 1:
-        return best[0]
-    if (checkpoints / "last.ckpt").is_file():
-        return checkpoints / "last.ckpt"
-    raise RunFailed(f"{run_dir}: no checkpoint to test in {checkpoints} (test: true needs checkpointing)")
-
-
 def logging_args(root: Path, run: Run) -> list[str]:
     """Seed and TensorBoard run directory ``root/VARIANT[/CELL]/seedS``."""
     logger = "--trainer.logger.init_args"
@@ -158,61 +156,81 @@ def logging_args(root: Path, run: Run) -> list[str]:
     ]
 
 
-def move_aside(run_dir: Path) -> Path:
-    """Renames run_dir to ``<run_dir>.old-N`` (the first N free); returns the new path."""
-    n = 1
-    while (old := run_dir.with_name(f"{run_dir.name}.old-{n}")).exists():
-        n += 1
-    run_dir.rename(old)
-    return old
-
-
 def train(cfg: Namespace, run: Run, env: dict[str, str], prefix: bool = False) -> dict:
-    """Fits (and tests) one run from scratch, an older folder of it moved aside, and writes its
-    results.json; returns the results."""
+    """Fits (and tests) one run and writes its results.json; returns the results. Holds the run's compare
+    lock throughout (RunFailed if another compare holds it). Decided under the lock: a run finished
+    meanwhile is returned as it is; an unfinished one started with this configuration resumes from its
+    last.ckpt; any other folder of the run is moved aside (<folder>.old-N) and the run starts over."""
     root = Path(cfg.root)
     run_dir = run.dir(root)
-    if run_dir.exists():
-        PROCESSES.show(f"[{run.name}] starting over: the old folder is now {move_aside(run_dir)}\n")
-    run_dir.mkdir(parents=True)
-    started = time.time()
     args = run_args(cfg, run)
-    launch("fit", [*args, *logging_args(root, run)], run_dir / "fit.log", run.name, env, prefix)
-    if cfg.test:  # from the fit's own resolved config: immune to config files edited since
-        test_args = [f"--config={run_dir / 'config.yaml'}", *logging_args(root, run)]
-        test_args.append(f"--ckpt_path={best_checkpoint(run_dir)}")
-        launch("test", test_args, run_dir / "test.log", run.name, env, prefix)
-    length, pairs = eval_length(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    results = {
-        "variant": run.variant,
-        "cell": dict(run.cell),
-        "seed": run.seed,
-        "args": args,
-        "eval_length": length,
-        "eval_pairs": pairs,
-        "metrics": final_scalars(run_dir),
-        "started": started,  # seconds since the epoch
-        "finished": time.time(),
-    }
-    write_atomic(run_dir / RESULTS, json.dumps(results, indent=2))
-    return results
+    with run_lock(root, run):
+        if (done := finished(cfg, run, show=False)) is not None:
+            return done
+        resume: tuple[Path, int] | None = None
+        if run_dir.exists():
+            check_not_in_use(run_dir, run.name)
+            if (run_dir / RESULTS).is_file():  # --rerun of a run finished with another configuration
+                recorded = json.loads((run_dir / RESULTS).read_text())
+                why = f"finished with another configuration: {change(recorded, args)}"
+            else:
+                try:
+                    resume = resume_point(run_dir, args)
+                except CannotResume as error:
+                    why = str(error)
+            if resume is None:
+                PROCESSES.show(f"[{run.name}] starting over ({why}): the old folder is now {move_aside(run_dir)}\n")
+        fit_args = [*args, *logging_args(root, run)]
+        if resume is None:
+            run_dir.mkdir(parents=True)
+            recorded = record(args) | {"started": time.time()}  # the configs as they are when the fit starts
+            write_atomic(run_dir / STARTED, json.dumps(recorded, indent=2))
+        else:
+            checkpoint, step = resume
+            recorded = json.loads((run_dir / STARTED).read_text())
+            PROCESSES.show(f"[{run.name}] unfinished: resuming it from {checkpoint} (step {step})\n")
+            # TensorBoard hides what the interrupted fit logged after the checkpoint: it is logged again
+            fit_args += [f"--ckpt_path={checkpoint}", f"--trainer.logger.init_args.purge_step={step}"]
+        launch("fit", fit_args, run_dir / "fit.log", run.name, env, prefix)
+        if cfg.test:  # from the fit's own resolved config: immune to config files edited since
+            test_args = [f"--config={run_dir / 'config.yaml'}", *logging_args(root, run)]
+            test_args.append(f"--ckpt_path={best_checkpoint(run_dir)}")
+            launch("test", test_args, run_dir / "test.log", run.name, env, prefix)
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        length, pairs = eval_length(config)
+        monitor = config.get("checkpoint") or {}
+        results = {
+            "variant": run.variant,
+            "cell": dict(run.cell),
+            "seed": run.seed,
+            **recorded,  # what the fit started from, not the config files as they are now
+            "eval_length": length,
+            "eval_pairs": pairs,
+            "metrics": final_scalars(run_dir, monitor.get("monitor"), monitor.get("mode") or "min"),
+            "finished": time.time(),
+        }
+        write_atomic(run_dir / RESULTS, json.dumps(results, indent=2))
+        return results
 
 
-def finished(cfg: Namespace, run: Run) -> dict | None:
-    """The run's results.json, or None when it must run: never finished, or (with --rerun) finished
-    with other arguments than now."""
+def finished(cfg: Namespace, run: Run, show: bool = True) -> dict | None:
+    """The run's results.json, or None when it must run: never finished, or (with --rerun) finished with
+    another configuration than now (other config contents or arguments: lit_thresh.compare.state.change).
+    show: say so (skipped, or why it runs again)."""
     done = run.dir(Path(cfg.root)) / RESULTS
     if not done.is_file():
         return None
     result = json.loads(done.read_text())
-    if result["args"] == run_args(cfg, run):
-        PROCESSES.show(f"[{run.name}] done before, skipped ({done})\n")
+    changed = change(result, run_args(cfg, run))
+    say = PROCESSES.show if show else lambda text: None
+    if changed is None:
+        say(f"[{run.name}] done before, skipped ({done})\n")
         return result
     if cfg.rerun:
-        PROCESSES.show(f"[{run.name}] ran with other arguments: running it again (--rerun)\n")
+        say(f"[{run.name}] done before with another configuration ({changed}): running it again (--rerun)\n")
         return None
-    PROCESSES.show(f"[{run.name}] warning: done before with other arguments, skipped; --rerun runs it again "
-                   f"(keeping the old one as {done.parent.name}.old-N)\n")
+    say(f"[{run.name}] warning: done before with another configuration ({changed}), skipped; --rerun runs it "
+        f"again (keeping the old one as {done.parent.name}.old-N)\n")
     return result
 
 
@@ -273,7 +291,7 @@ def run_all(
             return
         slot = free.get()
         try:
-            if failed.is_set():
+            if failed.is_set() or PROCESSES.stopping:  # Ctrl-C while it waited: no folder for it
                 return
             if slot:
                 PROCESSES.show(f"[{run.name}] on {', '.join(f'{k}={v}' for k, v in slot.items())}\n")

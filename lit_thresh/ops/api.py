@@ -8,11 +8,12 @@ import numbers
 import torch
 
 from lit_thresh.ops.backend import Backend, resolve_backend
-from lit_thresh.ops.differential_function import differential_threshold_attention_op
+from lit_thresh.ops.differential_function import differential_threshold_attention_apply
 from lit_thresh.ops.function import threshold_attention_apply
 
 MAX_HEAD_DIM = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)  # membership by hash: cheaper per call than the tuple
 
 
 def check_power(power: float, name: str) -> float:
@@ -35,7 +36,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: tuple[s
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dims (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in FLOAT_DTYPES:
+        if t.dtype not in _FLOAT_DTYPE_SET:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{nq}, {nk} and {nv} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -56,9 +57,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: tuple[s
         raise ValueError(f"{nk} and {nv} must have the same sequence length, got {tk} and {tv}")
     if tq > tk:
         raise ValueError(f"{nq}'s sequence length ({tq}) must be <= {nk}'s ({tk}): queries are the last Tq positions")
-    for name, dim in ((f"{nq}/{nk}", d), (nv, dv)):
-        if not 1 <= dim <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} head dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"{nq}/{nk} head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
+    if not 1 <= dv <= MAX_HEAD_DIM:
+        raise ValueError(f"{nv} head dim must be in [1, {MAX_HEAD_DIM}], got {dv}")
 
 
 def _beta_per_head(
@@ -107,12 +109,14 @@ def threshold_attention(
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     _check_qkv(q, k, v)
     power = check_power(power, "power")
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float, got {scale!r}")
+    if not (type(scale) is float and math.isfinite(scale)):  # the common case first, cheaply
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+            raise TypeError(f"scale must be a finite float, got {scale!r}")
+        scale = float(scale)
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     beta_h = _beta_per_head(beta, q.shape[1], q.device, q.dtype)  # (Hq,)
-    return threshold_attention_apply(q, k, v, beta_h, power, float(scale), resolve_backend(backend, q))
+    return threshold_attention_apply(q, k, v, beta_h, power, scale, resolve_backend(backend, q))
 
 
 def _check_same(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:
@@ -168,6 +172,6 @@ def differential_threshold_attention(
     heads = q1.shape[1]
     beta_h = _beta_per_head(beta, heads, q1.device, q1.dtype)  # (Hq,)
     lam_h = _beta_per_head(lam, heads, q1.device, q1.dtype, name="lam")  # (Hq,)
-    return differential_threshold_attention_op(
+    return differential_threshold_attention_apply(
         q1, q2, k1, k2, v, beta_h, lam_h, power, float(scale), resolve_backend(backend, q1)
     )

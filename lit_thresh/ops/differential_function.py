@@ -1,7 +1,9 @@
 """Fused differential threshold attention as two torch.library custom ops (forward, backward) joined by
 register_autograd, as function.py does for the single op: one opaque node with a fake impl for both
 backends (triton_differential.py's kernels, chunked_differential.py's block loop). Only the inputs
-(q1, q2, k1, k2, v, beta, lambda) are saved; backward recomputes the scores.
+(q1, q2, k1, k2, v, beta, lambda) are saved; backward recomputes the scores. Eager calls on plain tensors
+run the same two functions through an autograd.Function (`differential_threshold_attention_apply`), which
+costs less host time per call than the op's dispatch.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ def _laid_out_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == target.stride() else target.copy_(t)
 
 
-@torch.library.custom_op("lit_thresh::differential_threshold_attention", mutates_args=())
-def differential_threshold_attention_op(
+def _forward(
     q1: torch.Tensor,  # (B, Hq, Tq, D)
     q2: torch.Tensor,  # (B, Hq, Tq, D)
     k1: torch.Tensor,  # (B, Hkv, Tk, D)
@@ -43,13 +44,7 @@ def differential_threshold_attention_op(
     return chunked_differential_forward(q1, q2, k1, k2, v, beta, lam, power, scale)  # (B, Hq, Tq, Dv)
 
 
-@differential_threshold_attention_op.register_fake
-def _(q1, q2, k1, k2, v, beta, lam, power, scale, backend):
-    return _output_like(q1, v.shape[-1], backend)
-
-
-@torch.library.custom_op("lit_thresh::differential_threshold_attention_backward", mutates_args=())
-def differential_threshold_attention_backward_op(
+def _backward(
     dout: torch.Tensor,  # (B, Hq, Tq, Dv)
     q1: torch.Tensor,
     q2: torch.Tensor,
@@ -78,6 +73,19 @@ def differential_threshold_attention_backward_op(
     return tuple(torch.zeros_like(t) if g is None else _laid_out_like(g, t) for g, t in zip(grads, inputs))
 
 
+differential_threshold_attention_op = torch.library.custom_op(
+    "lit_thresh::differential_threshold_attention", _forward, mutates_args=()
+)
+differential_threshold_attention_backward_op = torch.library.custom_op(
+    "lit_thresh::differential_threshold_attention_backward", _backward, mutates_args=()
+)
+
+
+@differential_threshold_attention_op.register_fake
+def _(q1, q2, k1, k2, v, beta, lam, power, scale, backend):
+    return _output_like(q1, v.shape[-1], backend)
+
+
 @differential_threshold_attention_backward_op.register_fake
 def _(dout, q1, q2, k1, k2, v, beta, lam, power, scale, backend, need_dbeta, need_dlam):
     return tuple(torch.empty_like(t) for t in (q1, q2, k1, k2, v, beta, lam))
@@ -89,13 +97,51 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.power, ctx.scale, ctx.backend = power, scale, backend
 
 
-def _backward(ctx, dout: torch.Tensor):
+def _grads(ctx, dout: torch.Tensor, backward=differential_threshold_attention_backward_op):
     need_dbeta, need_dlam = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
-    grads = differential_threshold_attention_backward_op(
-        dout, *ctx.saved_tensors, ctx.power, ctx.scale, ctx.backend, need_dbeta, need_dlam
-    )
+    grads = backward(dout, *ctx.saved_tensors, ctx.power, ctx.scale, ctx.backend, need_dbeta, need_dlam)
     dq1, dq2, dk1, dk2, dv, dbeta, dlam = grads
     return dq1, dq2, dk1, dk2, dv, dbeta if need_dbeta else None, dlam if need_dlam else None, None, None, None
 
 
-differential_threshold_attention_op.register_autograd(_backward, setup_context=_setup_context)
+differential_threshold_attention_op.register_autograd(_grads, setup_context=_setup_context)
+
+
+class _EagerDifferentialThresholdAttention(torch.autograd.Function):
+    """The same forward and backward for eager calls, without the custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, *inputs) -> torch.Tensor:  # not setup_context: Function.apply would inspect.signature
+        out = _forward(*inputs)
+        _setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        return _grads(ctx, dout, _backward)
+
+
+def differential_threshold_attention_apply(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    power: float,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """The op on checked inputs: the custom op while tracing (torch.compile, export, fake tensors), else the
+    same code as an autograd.Function. For the Triton kernels (one set of strides per q or k pair) a pair
+    with different layouts is made to share one here, once, by copying one of the two: forward and backward
+    then read the same tensors (gradients reach the copied input through the copy)."""
+    if backend == "triton":
+        from lit_thresh.ops.triton_differential import match_strides
+
+        q1, q2 = match_strides(q1, q2)
+        k1, k2 = match_strides(k1, k2)
+    if type(q1) is torch.Tensor and not torch.compiler.is_compiling():
+        return _EagerDifferentialThresholdAttention.apply(q1, q2, k1, k2, v, beta, lam, power, scale, backend)
+    return differential_threshold_attention_op(q1, q2, k1, k2, v, beta, lam, power, scale, backend)

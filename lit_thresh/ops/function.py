@@ -5,12 +5,14 @@ and the blockwise PyTorch loop of chunked.py), and torch.compile sees it as one 
 impl, so it neither retraces the Python block loop nor the kernels' launch logic; both backends behave
 the same under compile, export and CUDA graphs. Only q, k, v and beta are saved; backward recomputes.
 Eager calls on plain tensors run the same two functions through an autograd.Function instead
-(`threshold_attention_apply`): the op's Python dispatch would cost several times more host time per call.
+(`threshold_attention_apply`): the op's Python dispatch would cost several times more host time per call;
+eager calls that cannot record a gradient run the forward alone.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 from lit_thresh.ops.chunked import chunked_backward, chunked_forward
 
@@ -118,7 +120,11 @@ def threshold_attention_apply(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float, scale: float, backend: str
 ) -> torch.Tensor:
     """The op on checked inputs: the custom op while tracing (torch.compile, export, fake tensors),
-    else the same code as an autograd.Function."""
+    else the same code as an autograd.Function, or with no gradient to record (no_grad, inference,
+    no input requiring one, no forward-mode tangent) the forward alone."""
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or beta.requires_grad)
+        if not needs_grad and all(forward_ad.unpack_dual(t).tangent is None for t in (q, k, v, beta)):
+            return _forward(q, k, v, beta, power, scale, backend)  # nothing to record: no autograd node
         return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend)
     return threshold_attention_op(q, k, v, beta, power, scale, backend)

@@ -13,6 +13,10 @@ whose jit helpers these kernels call.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -33,9 +37,9 @@ from lit_thresh.ops.triton_launch import (
     BlockConfig,
     KernelConfigs,
     _block_dim,
-    _common_meta,
     _empty_like_layout,
-    _launch_meta,
+    _power_mode,
+    _precision,
 )
 
 
@@ -377,28 +381,81 @@ def diff_threshold_bwd_dq_kernel(
         tl.store(DLAM_ROWS + row, -dlam_sum, mask=offs_m < TQ)
 
 
-def default_diff_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> KernelConfigs:
-    """Tiles per kernel. A program holds two q (or k) tiles of `head_dim` and one v tile of `head_dim_v`,
-    so the tiles are those the single op (triton_launch.default_configs) uses at the larger of 2 * head_dim
-    and head_dim_v; fp32 with wide heads gets smaller tiles and one stage to fit in H200 shared memory
-    (227 KiB; checked by compiling for sm_90). Untuned starting points; small tiles under the interpreter."""
-    if triton_interpreting():
+def default_diff_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
+    """Tiles per kernel for the larger of the q/k and v head dims (cached). fp16/bf16 up to D = 128: the
+    fastest config per kernel of an H200 sweep at T = 4096 (recorded in
+    lit_thresh/ops/PERF.md, v3; each kernel timed with the others at the previous default, so the
+    combination itself was not timed). fp32 and D > 128: small-tile starting points, not tuned. Small
+    tiles under the interpreter."""
+    return _default_diff_configs(head_dim, dtype, triton_interpreting())
+
+
+@functools.lru_cache(maxsize=64)
+def _default_diff_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> KernelConfigs:
+    if interpreting:
         return KernelConfigs(BlockConfig(32, 32), BlockConfig(32, 32), BlockConfig(32, 32))
-    width = max(2 * head_dim, head_dim_v)
-    if dtype == torch.float32 and 2 * _block_dim(head_dim) + _block_dim(head_dim_v) > 320:
+    if dtype == torch.float32 and head_dim > 64:
         return KernelConfigs(BlockConfig(32, 32, 4, 2), BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1))
-    if dtype == torch.float32 or width > 128:
+    if dtype == torch.float32 or head_dim > 128:
         return KernelConfigs(BlockConfig(64, 32, 4, 2), BlockConfig(32, 64, 4, 2), BlockConfig(64, 32, 4, 2))
-    if width > 64:
-        return KernelConfigs(BlockConfig(128, 64, 8, 3), BlockConfig(64, 64, 8, 2), BlockConfig(64, 64, 8, 2))
-    return KernelConfigs(BlockConfig(64, 64, 4, 3), BlockConfig(64, 64, 4, 3), BlockConfig(64, 64, 4, 3))
+    fp16 = dtype == torch.float16
+    if head_dim > 64:  # the H200 sweep at T = 4096 (ms of the forward / of the whole backward, each kernel
+        # timed with the others at the previous default; lit_thresh/ops/PERF.md, v3)
+        return KernelConfigs(
+            BlockConfig(128, 64, 8, 3),  # bf16 0.883, fp16 1.110 (64x64 w8 s3: 1.711, 2.043)
+            BlockConfig(64, 64, 8, 2) if fp16 else BlockConfig(32, 64, 4, 2),  # fp16 7.92, bf16 4.41
+            BlockConfig(64, 32, 4, 2) if fp16 else BlockConfig(128, 32, 8, 3),  # fp16 8.71, bf16 6.01
+        )
+    return KernelConfigs(
+        BlockConfig(128, 64, 8, 3),  # bf16 0.484, fp16 0.610 (64x64 w4 s3: 0.511, 0.672)
+        BlockConfig(64, 128, 8, 2) if fp16 else BlockConfig(32, 64, 4, 3),  # fp16 3.25, bf16 2.27
+        BlockConfig(64, 64, 4, 3) if fp16 else BlockConfig(64, 32, 4, 3),  # fp16 3.31, bf16 2.32
+    )
 
 
-def _same_strides(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a and b with one set of strides (the kernels take one per pair): contiguous copies if they differ."""
-    if a.stride() == b.stride():
+def _strides_match(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b (one shape) are read by the same strides: dims of size 1 are never stepped over."""
+    return a.stride() == b.stride() or all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def match_strides(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b (one shape) with one set of strides, which the kernels take per q or k pair: as they are when
+    they have one; else b copied into a's layout when a is dense, or a into b's when b is; else both contiguous."""
+    if _strides_match(a, b):
         return a, b
+    like_a = torch.empty_like(a)  # a's own strides when a is dense (no gaps, no overlaps), else contiguous
+    if like_a.stride() == a.stride():
+        return a, like_a.copy_(b)
+    like_b = torch.empty_like(b)
+    if like_b.stride() == b.stride():
+        return like_b.copy_(a), b
     return a.contiguous(), b.contiguous()
+
+
+def _kernel_meta(cfg: BlockConfig, q: torch.Tensor, d: int, dv: int, power: float, **flags: bool) -> Mapping:
+    """Every constexpr and launch option of one kernel launch (cached, read-only: host time per call matters)."""
+    return _meta(cfg, d, dv, power, q.dtype, _precision(q.dtype), triton_interpreting(), tuple(flags.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _meta(cfg: BlockConfig, d: int, dv: int, power: float, dtype: torch.dtype, precision: str, interpreting: bool,
+          flags: tuple[tuple[str, bool], ...]) -> Mapping:
+    return MappingProxyType(dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        SKIP_ZERO=cfg.skip_zero,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        D=d,
+        DV=dv,
+        BLOCK_D=_block_dim(d),
+        BLOCK_DV=_block_dim(dv),
+        POWER_MODE=_power_mode(power),
+        FP16_RANGE=dtype == torch.float16,
+        PRECISION=precision,
+        UPCAST=dtype == torch.bfloat16 and interpreting,
+        **dict(flags),
+    ))
 
 
 def diff_triton_forward(
@@ -414,17 +471,18 @@ def diff_triton_forward(
     configs: KernelConfigs | None = None,
 ) -> torch.Tensor:
     """Forward pass; returns (B, Hq, Tq, Dv) in q1's dtype. configs: tiles, warps, stages and skip_zero per
-    kernel (default_diff_configs when None); these kernels read through pointers, so `tma` is not used."""
+    kernel (default_diff_configs when None); these kernels read through pointers, so `tma` is not used.
+    A q (k) pair with different strides is matched here by match_strides (the op does it once, before)."""
     (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
     out = _empty_like_layout(q1, (b, hq, tq, dv))
-    q1, q2 = _same_strides(q1, q2)
-    k1, k2 = _same_strides(k1, k2)
-    cfg = (configs or default_diff_configs(d, dv, q1.dtype)).fwd
-    diff_threshold_fwd_kernel[(triton.cdiv(tq, cfg.block_m), b * hq)](
+    q1, q2 = match_strides(q1, q2)
+    k1, k2 = match_strides(k1, k2)
+    cfg = (configs or default_diff_configs(max(d, dv), q1.dtype)).fwd
+    diff_threshold_fwd_kernel[(-(-tq // cfg.block_m), b * hq)](  # ceil-division in plain ints: no triton.cdiv
         q1, q2, k1, k2, v, out, beta, lam,
         *q1.stride(), *k1.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
-        **_launch_meta(cfg), **_common_meta(q1, d, dv, power),
+        **_kernel_meta(cfg, q1, d, dv, power),
     )
     return out
 
@@ -447,29 +505,28 @@ def diff_triton_backward(
     """Backward pass: (dq1, dq2, dk1, dk2, dv, dbeta, dlam); dbeta and dlam (Hq,) are reduced
     deterministically from per-row terms, and are None unless asked for. configs: as diff_triton_forward."""
     (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
-    q1, q2 = _same_strides(q1, q2)
-    k1, k2 = _same_strides(k1, k2)
-    cfgs = configs or default_diff_configs(d, dv, q1.dtype)
-    meta = _common_meta(q1, d, dv, power)
+    q1, q2 = match_strides(q1, q2)
+    k1, k2 = match_strides(k1, k2)
+    cfgs = configs or default_diff_configs(max(d, dv), q1.dtype)
     scalars = (tq, tk, scale, power, 2.0 / d)
     dq1, dq2 = torch.empty_like(q1), torch.empty_like(q1)
     dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
 
     cfg = cfgs.bwd_dkv
-    diff_threshold_bwd_dkv_kernel[(triton.cdiv(tk, cfg.block_n), b * hkv)](
+    diff_threshold_bwd_dkv_kernel[(-(-tk // cfg.block_n), b * hkv)](
         q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, lam,
         *q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(),
-        hkv, hq // hkv, *scalars, **_launch_meta(cfg), **meta,
+        hkv, hq // hkv, *scalars, **_kernel_meta(cfg, q1, d, dv, power),
     )
 
     cfg = cfgs.bwd_dq
-    dbeta_rows, dlam_rows = (
+    dbeta_rows, dlam_rows = (  # (B, Hq, Tq) each; dq1: a placeholder the kernel does not touch
         torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need else dq1 for need in (need_dbeta, need_dlam)
     )
-    diff_threshold_bwd_dq_kernel[(triton.cdiv(tq, cfg.block_m), b * hq)](
+    diff_threshold_bwd_dq_kernel[(-(-tq // cfg.block_m), b * hq)](
         q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, lam,
         *q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(),
-        hq, hq // hkv, *scalars, **_launch_meta(cfg), BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam, **meta,
+        hq, hq // hkv, *scalars, **_kernel_meta(cfg, q1, d, dv, power, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam),
     )
     dbeta = dbeta_rows.sum(dim=(0, 2)).to(beta.dtype) if need_dbeta else None  # (Hq,)
     dlam = dlam_rows.sum(dim=(0, 2)).to(lam.dtype) if need_dlam else None  # (Hq,)

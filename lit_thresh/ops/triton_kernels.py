@@ -6,8 +6,13 @@ dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K, dbeta = -sum_ij dS_ij * gain_i.
 
 Key blocks above the diagonal are never visited; blocks wholly below it run without the causal mask,
 only the diagonal blocks pay for it. Accumulation is fp32; the P and dS tiles go into the tensor-core
-dot in the input dtype. For fp16, rows of those tiles are first scaled by a power of two into fp16's
-range (ReLU(x)^p can exceed 65504 where the output is still finite), and the product scaled back in fp32.
+dot in the input dtype. fp16 (ROW_SCALE) keeps them in fp16's range (ReLU(x)^p can exceed 65504 where
+the output is still finite) with one power of two per output row, fixed before the loop from a bound
+that holds for every tile the row meets (x_ij <= base_i = scale |q_i| max_j |k_j| + max(-tau_i, 0)):
+P_ij <= base_i^p, |dS_ij| <= p |dO_i| max_j |v_j| base_i^(p-1); the norms come from the launcher. The
+products then accumulate in place and the accumulator is scaled back once, after the loop. For p < 1
+dS has no such bound (x^(p-1) grows without limit as x -> 0+): the backward then scales each tile by
+its own row maxima (FP16_RANGE, _dot_acc), at the cost of a separate product per tile.
 
 NaN in q, k or beta gives NaN, as ReLU(NaN) = NaN in the math; keys past a query's position are set to
 x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a tile whose
@@ -18,8 +23,15 @@ input tiles come through TMA tensor descriptors (zero-filled out of bounds) inst
 import triton
 import triton.language as tl
 
-# In fp16, P / dS rows are scaled so that their largest entry is at most 2**FP16_TILE_EXP.
-FP16_TILE_EXP = tl.constexpr(14.0)
+# No module-level constants in the kernels: Triton compares each global a kernel uses with its value at
+# compile time on every launch (about 1 us of host time each). Constants are literals or jit functions.
+
+
+@triton.jit
+def _fp16_top_exp():
+    """In fp16, P / dS rows are scaled so that their largest entry (per tile) or their bound (per row) is
+    at most 2**14: fp16's largest value, 65504, is just under 2**16, which leaves room for rounding."""
+    return 14.0
 
 
 @triton.jit
@@ -123,7 +135,7 @@ def _dot_acc(a, b, acc, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAS
     """acc + a @ b with the fp32 tile a cast to b's dtype (kept in fp16's range when FP16_RANGE)."""
     if FP16_RANGE:
         amax = tl.max(tl.abs(a), axis=1)  # (M,)
-        row_exp = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0))) - FP16_TILE_EXP, 0.0)  # (M,)
+        row_exp = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0))) - _fp16_top_exp(), 0.0)  # (M,)
         prod = _mma((a * tl.exp2(-row_exp)[:, None]).to(b.dtype), b, None, PRECISION, UPCAST)  # exact power-of-2 scaling
         return acc + tl.exp2(row_exp)[:, None] * prod
     else:
@@ -131,13 +143,80 @@ def _dot_acc(a, b, acc, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAS
 
 
 @triton.jit
+def _dot_rows(a, row_mul, b, acc, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """acc + a @ b with the fp32 tile a cast to b's dtype: its rows first multiplied by row_mul (fixed fp16
+    row scales) where ROW_SCALE, else as _dot_acc (row_mul unused)."""
+    if ROW_SCALE:
+        return _mma((a * row_mul[:, None]).to(b.dtype), b, acc, PRECISION, UPCAST)
+    else:
+        return _dot_acc(a, b, acc, FP16_RANGE, PRECISION, UPCAST)
+
+
+@triton.jit
+def _row_norms(x):
+    """Euclidean norms of the rows of a 2-D tile, in fp32. (R,)"""
+    xf = x.to(tl.float32)
+    return tl.sqrt(tl.sum(xf * xf, axis=1))
+
+
+@triton.jit
+def _finite_max(ptr, lo, hi):
+    """The largest finite value of the fp32 norms ptr[lo:hi], 0 if none. A row with an inf or NaN entry
+    makes its products inf, NaN or exactly 0 whatever the scale, so its norm is left out rather than
+    turning the bound of every row it meets into inf or NaN."""
+    m = tl.zeros((256,), dtype=tl.float32)
+    for start in range(lo, hi, 256):
+        offs = start + tl.arange(0, 256)
+        n = tl.load(ptr + offs, mask=offs < hi, other=0.0)
+        m = tl.maximum(m, tl.where(n <= 3.0e38, n, 0.0))  # the test is False for inf and NaN
+    return tl.max(m, axis=0)
+
+
+@triton.jit
+def _log2_weight_bound(base, power, POWER_MODE: tl.constexpr):
+    """log2(base^p): the bound of ReLU(x)^p for x <= base."""
+    if POWER_MODE == 1:
+        return tl.log2(base)
+    elif POWER_MODE == 2:
+        return 2.0 * tl.log2(base)
+    else:
+        return power * tl.log2(base)
+
+
+@triton.jit
+def _log2_grad_bound(base, log2_dp, power, POWER_MODE: tl.constexpr):
+    """log2(2^log2_dp * p * base^(p-1)): the bound of |dS| = |dP| d ReLU(x)^p / dx for |dP| <= 2^log2_dp,
+    x <= base and p >= 1 (the derivative as in _rectify_grad: 1 for p = 1, 2x for p = 2)."""
+    if POWER_MODE == 1:
+        return log2_dp
+    elif POWER_MODE == 2:
+        return 1.0 + log2_dp + tl.log2(base)
+    else:
+        return tl.log2(power) + log2_dp + (power - 1.0) * tl.log2(base)
+
+
+@triton.jit
+def _fp16_exp(log2_bound):
+    """Row exponents e with bound * 2^-e <= 2^14 (_fp16_top_exp), within [-100, 114]: 2^e and 2^-e are
+    normal fp32 numbers, and any finite fp32 value (< 2^128) times 2^-114 is at most 2^14. e = 0 (no
+    scaling) where log2_bound is not finite: a zero bound (all those products are 0), or an inf or NaN
+    one, which comes from an inf or NaN q or dO row or beta (products inf, NaN or 0 whatever the scale)
+    or from scale * |q| * max |k| past fp32's range (no bound to use: unscaled, as before)."""
+    e = tl.minimum(tl.maximum(tl.ceil(log2_bound) - _fp16_top_exp(), -100.0), 114.0)
+    return tl.where(tl.abs(log2_bound) <= 3.0e38, e, 0.0)
+
+
+@triton.jit
 def _fwd_inner(
-    acc, q, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+    acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
     TK, scale, power, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    """acc + P V over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales; P_SCALED: P's rows
+    are multiplied by p_mul (BLOCK_M,) before the cast."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
@@ -147,15 +226,15 @@ def _fwd_inner(
             x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
         if SKIP_ZERO:
             if _any_live(x):
-                acc = _dot_acc(_rectify(x, power, POWER_MODE), v, acc, FP16_RANGE, PRECISION, UPCAST)
+                acc = _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
         else:
-            acc = _dot_acc(_rectify(x, power, POWER_MODE), v, acc, FP16_RANGE, PRECISION, UPCAST)
+            acc = _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
     return acc
 
 
 @triton.jit
 def threshold_fwd_kernel(
-    Q, K, V, O, BETA,
+    Q, K, V, O, BETA, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -163,12 +242,13 @@ def threshold_fwd_kernel(
     H, GROUP, TQ, TK, scale, power, gain_coef,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
-    SKIP_ZERO: skip the PV product of key tiles whose rectified scores are all exactly 0.
-    USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors, not pointers."""
+    ROW_SCALE (fp16): P rows scaled into fp16's range by a power of two per row, from the key norms
+    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: skip the PV product of key tiles
+    whose rectified scores are all exactly 0. USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
@@ -189,37 +269,55 @@ def threshold_fwd_kernel(
     first_row = past + pid_m * BLOCK_M
     n_full = (first_row + 1) // BLOCK_N * BLOCK_N  # keys [0, n_full) are visible to every row
     n_end = tl.minimum(first_row + BLOCK_M, TK)  # no row sees a key at or past n_end
+
+    x_scale = scale
+    p_mul = tau  # unused unless ROW_SCALE with POWER_MODE 0
+    if ROW_SCALE:
+        k_max = _finite_max(ROW_NORMS + (b * (H // GROUP) + hk) * TK, 0, n_end)  # over the keys these rows meet
+        base = tl.abs(scale) * _row_norms(q) * k_max + tl.maximum(-tau, 0.0)  # (BLOCK_M,) >= every score of the row
+        e = _fp16_exp(_log2_weight_bound(base, power, POWER_MODE))  # (BLOCK_M,)
+        if POWER_MODE == 0:
+            p_mul = tl.exp2(-e)
+        else:  # folded into the scores, free: ReLU(x 2^(-e/p))^p = P 2^-e exactly (e even for p = 2)
+            if POWER_MODE == 2:
+                e = 2.0 * tl.ceil(0.5 * e)
+            row_scale = tl.exp2(-e / POWER_MODE)  # (BLOCK_M,)
+            x_scale = (scale * row_scale)[:, None]  # (BLOCK_M, 1)
+            tau = tau * row_scale
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    acc = _fwd_inner(acc, q, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                     False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
-    acc = _fwd_inner(acc, q, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                     True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+    acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+                     TK, x_scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     False, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+    acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+                     TK, x_scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     True, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+    if ROW_SCALE:
+        acc = acc * tl.exp2(e)[:, None]
 
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od
     _store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, TQ, offs_dv, DV, DV != BLOCK_DV)
 
 
 @triton.jit
-def _bwd_dkv_update(dk, dv, x_t, q, do, v, power,
-                    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """dK, dV accumulators after one (key tile, query tile) pair with transposed scores x_t (BLOCK_N, BLOCK_M)."""
+def _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr,
+                    FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """dK, dV accumulators after one (key tile, query tile) pair with transposed scores x_t (BLOCK_N, BLOCK_M);
+    with ROW_SCALE, the rows of P^T and dS^T are multiplied by p_mul and ds_mul (BLOCK_N,) first."""
     p_t = _rectify(x_t, power, POWER_MODE)
-    dv = _dot_acc(p_t, do, dv, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
+    dv = _dot_rows(p_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
     dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
     ds_t = dp_t * _rectify_grad(x_t, p_t, power, POWER_MODE)
-    dk = _dot_acc(ds_t, q, dk, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
+    dk = _dot_rows(ds_t, ds_mul, q, dk, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkv_inner(
     dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, past, TQ, scale, power, gain_coef, lo, hi,
+    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -232,15 +330,17 @@ def _bwd_dkv_inner(
             x_t = tl.where(offs_n[:, None] <= pos[None, :], x_t, 0.0)
         if SKIP_ZERO:
             if _any_live(x_t):
-                dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+                dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul,
+                                         POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
         else:
-            dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+            dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul,
+                                     POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
     return dk, dv
 
 
 @triton.jit
 def threshold_bwd_dkv_kernel(
-    Q, K, V, dO, dK, dV, BETA,
+    Q, K, V, dO, dK, dV, BETA, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -250,12 +350,15 @@ def threshold_bwd_dkv_kernel(
     HKV, GROUP, TQ, TK, scale, power, gain_coef,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over the GROUP query heads that share
-    them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). SKIP_ZERO: skip the dV/dP/dS/dK work of
-    query tiles whose rectified scores are all exactly 0. USE_TMA: Q, K, V, dO are tensor descriptors."""
+    them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). ROW_SCALE (fp16, p >= 1): the rows of P^T and
+    dS^T scaled into fp16's range by a power of two per key, from the query and dO row norms ROW_NORMS
+    (B * HKV * GROUP, 2, TQ) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1): per-tile scaling instead.
+    SKIP_ZERO: skip the dV/dP/dS/dK work of query tiles whose rectified scores are all exactly 0.
+    USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -275,6 +378,26 @@ def threshold_bwd_dkv_kernel(
     # query rows m see the block when pos_m >= first_key, all of it when pos_m >= first_key + BLOCK_N - 1
     m_lo = tl.maximum(first_key - past, 0) // BLOCK_M * BLOCK_M
     m_full = tl.minimum(tl.cdiv(tl.maximum(first_key + BLOCK_N - 1 - past, 0), BLOCK_M) * BLOCK_M, TQ)
+
+    p_mul = scale  # unused unless ROW_SCALE
+    ds_mul = scale
+    if ROW_SCALE:  # bounds over the rows of every query head of the group that see these keys
+        q_max = tl.zeros((), dtype=tl.float32)
+        do_max = tl.zeros((), dtype=tl.float32)
+        neg_beta = tl.zeros((), dtype=tl.float32)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            norms = ROW_NORMS + (b * HKV * GROUP + h) * 2 * TQ  # |q_i| then |dO_i| of head h
+            q_max = tl.maximum(q_max, _finite_max(norms, tl.maximum(first_key - past, 0), TQ))
+            do_max = tl.maximum(do_max, _finite_max(norms + TQ, tl.maximum(first_key - past, 0), TQ))
+            neg_beta = tl.maximum(neg_beta, -tl.load(BETA + h))
+        # (1,): -tau is largest at the last position a query tile reaches, padding rows past TQ included
+        neg_tau = neg_beta * _gain(tl.full((1,), TK - 1 + BLOCK_M, tl.int32), gain_coef)
+        base = tl.abs(scale) * q_max * _row_norms(k) + neg_tau  # (BLOCK_N,) >= every score of the key
+        p_exp = _fp16_exp(_log2_weight_bound(base, power, POWER_MODE))  # (BLOCK_N,)
+        ds_exp = _fp16_exp(_log2_grad_bound(base, tl.log2(do_max) + tl.log2(_row_norms(v)), power, POWER_MODE))
+        p_mul = tl.exp2(-p_exp)
+        ds_mul = tl.exp2(-ds_exp)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
     for g in range(GROUP):
@@ -283,25 +406,32 @@ def threshold_bwd_dkv_kernel(
         q_src = _head_src(Q, b, h, stride_qb, stride_qh, USE_TMA)
         do_src = _head_src(dO, b, h, stride_dob, stride_doh, USE_TMA)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, m_lo, m_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, m_lo, m_full,
+                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, m_full, TQ, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, m_full, TQ,
+                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+    dk = dk * scale
+    if ROW_SCALE:
+        dk = dk * tl.exp2(ds_exp)[:, None]
+        dv = dv * tl.exp2(p_exp)[:, None]
 
     dk_ptrs = dK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
     dv_ptrs = dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
-    _store_tile(dk_ptrs, (dk * scale).to(dK.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
+    _store_tile(dk_ptrs, dk.to(dK.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
     _store_tile(dv_ptrs, dv.to(dV.dtype.element_ty), offs_n, TK, offs_dv, DV, DV != BLOCK_DV)
 
 
 @triton.jit
-def _bwd_dq_update(dq, ds_sum, x, do, k, v, power, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr):
-    """dQ accumulator and per-row dS sums after one (query tile, key tile) pair with scores x (BLOCK_M, BLOCK_N)."""
+def _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul, POWER_MODE: tl.constexpr, DS_SCALED: tl.constexpr,
+                   FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr):
+    """dQ accumulator and per-row dS sums after one (query tile, key tile) pair with scores x (BLOCK_M, BLOCK_N);
+    DS_SCALED: dS rows are multiplied by ds_mul (BLOCK_M,) before the cast (not in the sums)."""
     dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
     ds = dp * _rectify_grad(x, _rectify(x, power, POWER_MODE), power, POWER_MODE)
-    dq = _dot_acc(ds, k, dq, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    dq = _dot_rows(ds, ds_mul, k, dq, DS_SCALED, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
     if BETA_GRAD:
         ds_sum += tl.sum(ds, axis=1)
     return dq, ds_sum
@@ -309,12 +439,13 @@ def _bwd_dq_update(dq, ds_sum, x, do, k, v, power, POWER_MODE: tl.constexpr, FP1
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, ds_sum, q, do, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+    dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
     TK, scale, power, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, DS_SCALED: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
@@ -324,17 +455,17 @@ def _bwd_dq_inner(
             x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
         if SKIP_ZERO:
             if _any_live(x):
-                dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power,
-                                            POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+                dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul,
+                                            POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
         else:
-            dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power,
-                                        POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+            dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul,
+                                        POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
     return dq, ds_sum
 
 
 @triton.jit
 def threshold_bwd_dq_kernel(
-    Q, K, V, dO, dQ, DBETA_ROWS, BETA,
+    Q, K, V, dO, dQ, DBETA_ROWS, BETA, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -343,12 +474,15 @@ def threshold_bwd_dq_kernel(
     H, GROUP, TQ, TK, scale, power, gain_coef,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """One program: dQ of BLOCK_M queries of one (batch, head), and their per-row dbeta terms
     -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H).
-    SKIP_ZERO: skip the dP/dS/dQ work of all-zero tiles. USE_TMA: Q, K, V, dO are tensor descriptors."""
+    ROW_SCALE (fp16, p >= 1): dS rows scaled into fp16's range by a power of two per row, from the key and
+    value norms ROW_NORMS (B * H / GROUP, 2, TK) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1):
+    per-tile scaling instead. SKIP_ZERO: skip the dP/dS/dQ work of all-zero tiles. USE_TMA: Q, K, V, dO
+    are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -372,16 +506,37 @@ def threshold_bwd_dq_kernel(
     first_row = past + pid_m * BLOCK_M
     n_full = (first_row + 1) // BLOCK_N * BLOCK_N
     n_end = tl.minimum(first_row + BLOCK_M, TK)
+
+    x_scale = scale
+    ds_mul = tau  # unused unless ROW_SCALE with POWER_MODE != 2
+    if ROW_SCALE:
+        norms = ROW_NORMS + (b * (H // GROUP) + hk) * 2 * TK  # |k_j| then |v_j| of this kv head
+        k_max = _finite_max(norms, 0, n_end)  # over the keys these rows meet
+        v_max = _finite_max(norms + TK, 0, n_end)
+        base = tl.abs(scale) * _row_norms(q) * k_max + tl.maximum(-tau, 0.0)  # (BLOCK_M,) >= every score of the row
+        ds_exp = _fp16_exp(_log2_grad_bound(base, tl.log2(_row_norms(do)) + tl.log2(v_max), power, POWER_MODE))
+        if POWER_MODE == 2:  # folded into the scores, free: dS = dP 2x scales with x (dbeta sums too)
+            x_scale = (scale * tl.exp2(-ds_exp))[:, None]  # (BLOCK_M, 1)
+            tau = tau * tl.exp2(-ds_exp)
+        else:
+            ds_mul = tl.exp2(-ds_exp)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                               TK, scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                               False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, SKIP_ZERO, USE_TMA)
-    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                               TK, scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                               True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, SKIP_ZERO, USE_TMA)
+    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt,
+                               stride_vd, TK, x_scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               False, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
+                               BETA_GRAD, SKIP_ZERO, USE_TMA)
+    dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt,
+                               stride_vd, TK, x_scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               True, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
+                               BETA_GRAD, SKIP_ZERO, USE_TMA)
+    dq = dq * scale
+    if ROW_SCALE:
+        dq = dq * tl.exp2(ds_exp)[:, None]
+        if POWER_MODE == 2:
+            ds_sum = ds_sum * tl.exp2(ds_exp)
 
     dq_ptrs = dQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
-    _store_tile(dq_ptrs, (dq * scale).to(dQ.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    _store_tile(dq_ptrs, dq.to(dQ.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
     if BETA_GRAD:
         tl.store(DBETA_ROWS + pid_bh.to(tl.int64) * TQ + offs_m, -gain * ds_sum, mask=offs_m < TQ)

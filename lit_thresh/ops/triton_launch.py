@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -71,11 +70,6 @@ def _default_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> K
     return KernelConfigs(small, small, small)  # float16, D <= 64: fastest within 2% (fwd 0.493, backward 1.80)
 
 
-def _dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    b, hq, tq, d = q.shape
-    return b, hq, k.shape[1], tq, k.shape[2], d, v.shape[-1]
-
-
 def _block_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
@@ -99,23 +93,46 @@ def _empty_like_layout(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
     return like.new_empty(b, h, t, d)
 
 
-def _common_meta(q: torch.Tensor, d: int, dv: int, power: float) -> Mapping:
-    """The constexprs every kernel takes (cached, read-only: host time per call matters for small inputs)."""
-    return _meta(d, dv, power, q.dtype, _precision(q.dtype), triton_interpreting())
-
-
-@functools.lru_cache(maxsize=256)
-def _meta(d: int, dv: int, power: float, dtype: torch.dtype, precision: str, interpreting: bool) -> Mapping:
-    return MappingProxyType(dict(
+def _single_metas(d: int, dv: int, power: float, dtype: torch.dtype, precision: str, interpreting: bool):
+    """The constexprs of the forward kernel and of the two backward kernels (read-only). fp16 scales P and
+    dS rows by fixed powers of two (ROW_SCALE), except dS for p < 1, which has no bound: the backward
+    then scales per tile (FP16_RANGE)."""
+    common = dict(
         D=d,
         DV=dv,
         BLOCK_D=_block_dim(d),
         BLOCK_DV=_block_dim(dv),
         POWER_MODE=_power_mode(power),
-        FP16_RANGE=dtype == torch.float16,
         PRECISION=precision,
         UPCAST=dtype == torch.bfloat16 and interpreting,
-    ))
+    )
+    fp16 = dtype == torch.float16
+    fwd = dict(common, ROW_SCALE=fp16)
+    bwd = dict(common, ROW_SCALE=fp16 and power >= 1.0, FP16_RANGE=fp16 and power < 1.0)
+    return MappingProxyType(fwd), MappingProxyType(bwd)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(d: int, dv: int, dtype: torch.dtype, power: float, precision: str, interpreting: bool,
+          configs: KernelConfigs | None) -> tuple:
+    """What every launch with these head dims, dtype and power shares, cached so that a call does no
+    more Python than it must: per kernel (fwd, bwd_dkv, bwd_dq), its config and keyword arguments
+    (constexprs and launch options; shared between calls: read, never written). Not keyed on the
+    sequence lengths, which change at every step of decoding."""
+    cfgs = configs or _default_configs(max(d, dv), dtype, interpreting)
+    fwd_meta, bwd_meta = _single_metas(d, dv, power, dtype, precision, interpreting)
+    return tuple((cfg, dict(meta, **_launch_meta(cfg)))  # a dict: `**` reads it faster than a mapping proxy
+                 for cfg, meta in zip((cfgs.fwd, cfgs.bwd_dkv, cfgs.bwd_dq), (fwd_meta, bwd_meta, bwd_meta)))
+
+
+def _problem_plan(q: torch.Tensor, v: torch.Tensor, power: float, configs: KernelConfigs | None) -> tuple:
+    """_plan for these inputs: one cache lookup per launcher call."""
+    return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), configs)
+
+
+def _row_norms(t: torch.Tensor) -> torch.Tensor:
+    """Euclidean norms of the rows of a (B, H, T, D) tensor, in fp32. (B, H, T)"""
+    return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float32)
 
 
 def _tma_ready(*tensors: torch.Tensor, cols: int = 0) -> bool:
@@ -154,18 +171,19 @@ def triton_forward(
     configs: KernelConfigs | None = None,
 ) -> torch.Tensor:
     """Forward pass; returns (B, Hq, Tq, Dv) in q's dtype."""
-    b, hq, hkv, tq, tk, d, dv = _dims(q, k, v)
-    cfg = (configs or default_configs(max(d, dv), q.dtype)).fwd
-    out = _empty_like_layout(q, (b, hq, tq, dv))
+    (cfg, kw), _, _ = _problem_plan(q, v, power, configs)
+    b, hq, tq, d = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     grid = (-(-tq // cfg.block_m), b * hq)  # ceil-divisions in plain ints: triton.cdiv costs host time
-    meta = _common_meta(q, d, dv, power)
-    bd, bdv = meta["BLOCK_D"], meta["BLOCK_DV"]
+    out = _empty_like_layout(q, (b, hq, tq, dv))
+    bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
     srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
+    k_norms = _row_norms(k).contiguous() if kw["ROW_SCALE"] else beta  # (B, Hkv, Tk); beta: unused
     threshold_fwd_kernel[grid](
-        *srcs, out, beta,
+        *srcs, out, beta, k_norms,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
-        USE_TMA=use_tma, **_launch_meta(cfg), **meta,
+        USE_TMA=use_tma, **kw,
     )
     return out
 
@@ -182,33 +200,36 @@ def triton_backward(
     configs: KernelConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward pass: (dq, dk, dv, dbeta); dbeta (Hq,) is reduced deterministically from per-row terms."""
-    b, hq, hkv, tq, tk, d, dv = _dims(q, k, v)
-    cfgs = configs or default_configs(max(d, dv), q.dtype)
-    meta = _common_meta(q, d, dv, power)
+    _, (dkv_cfg, dkv_kw), (dq_cfg, dq_kw) = _problem_plan(q, v, power, configs)
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
     scalars = (tq, tk, scale, power, 2.0 / d)
     dq, dk, dval = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dq_kw["ROW_SCALE"]:  # the norms the fp16 row scales are bounded by; else unused (beta is passed)
+        qdo_norms = torch.stack((_row_norms(q), _row_norms(dout)), dim=2)  # (B, Hq, 2, Tq)
+        kv_norms = torch.stack((_row_norms(k), _row_norms(v)), dim=2)  # (B, Hkv, 2, Tk)
+    else:
+        qdo_norms = kv_norms = beta
+    inputs = (q, k, v, dout)
+    bd, bdv = dq_kw["BLOCK_D"], dq_kw["BLOCK_DV"]
 
-    bd, bdv = meta["BLOCK_D"], meta["BLOCK_DV"]
-
-    cfg = cfgs.bwd_dkv
-    m, n = cfg.block_m, cfg.block_n
-    srcs, use_tma = _sources(cfg, (q, k, v, dout), (m, n, n, m), (bd, bd, bdv, bdv))
-    threshold_bwd_dkv_kernel[(-(-tk // cfg.block_n), b * hkv)](
-        *srcs, dk, dval, beta,
+    m, n = dkv_cfg.block_m, dkv_cfg.block_n
+    srcs, use_tma = _sources(dkv_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
+    threshold_bwd_dkv_kernel[(-(-tk // n), b * hkv)](
+        *srcs, dk, dval, beta, qdo_norms,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dval.stride(),
         hkv, hq // hkv, *scalars,
-        USE_TMA=use_tma, **_launch_meta(cfg), **meta,
+        USE_TMA=use_tma, **dkv_kw,
     )
 
-    cfg = cfgs.bwd_dq
     dbeta_rows = torch.empty(b * hq, tq, device=q.device, dtype=torch.float32) if need_dbeta else dq
-    m, n = cfg.block_m, cfg.block_n
-    srcs, use_tma = _sources(cfg, (q, k, v, dout), (m, n, n, m), (bd, bd, bdv, bdv))
-    threshold_bwd_dq_kernel[(-(-tq // cfg.block_m), b * hq)](
-        *srcs, dq, dbeta_rows, beta,
+    m, n = dq_cfg.block_m, dq_cfg.block_n
+    srcs, use_tma = _sources(dq_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
+    threshold_bwd_dq_kernel[(-(-tq // m), b * hq)](
+        *srcs, dq, dbeta_rows, beta, kv_norms,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         hq, hq // hkv, *scalars,
-        BETA_GRAD=need_dbeta, USE_TMA=use_tma, **_launch_meta(cfg), **meta,
+        BETA_GRAD=need_dbeta, USE_TMA=use_tma, **dq_kw,
     )
-    dbeta = dbeta_rows.view(b, hq, tq).sum(dim=(0, 2)).to(beta.dtype) if need_dbeta else None
+    dbeta = dbeta_rows.view(b, hq, tq).sum(dim=(0, 2)) if need_dbeta else None  # float32, as beta
     return dq, dk, dval, dbeta

@@ -27,6 +27,8 @@ VARIANTS = [SoftmaxAttention, ThresholdAttention, DiffThresholdAttention, DiffSo
 CONFIGS = [(cls, {}) for cls in VARIANTS] + [
     (ThresholdAttention, {"qk_norm": True, "out_norm": False, "learn_beta": False, "power": 1.0}),
     (DiffThresholdAttention, {"qk_norm": False, "beta": 0.5, "scale": 0.5}),
+    (ThresholdAttention, {"qk_norm": True, "learn_scale": True, "scale": 4.0, "power": 1.0}),
+    (DiffThresholdAttention, {"learn_scale": True, "scale": 2.0}),
 ]
 IDS = [f"{cls.__name__}-{'-'.join(kwargs) or 'default'}" for cls, kwargs in CONFIGS]
 

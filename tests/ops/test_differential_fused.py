@@ -16,11 +16,14 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lit_thresh.attention import DiffThresholdAttention
 from lit_thresh.ops import differential_threshold_attention, differential_threshold_rela_triton, threshold_attention
+from lit_thresh.ops import triton_differential as td
 from lit_thresh.ops.differential_function import (
+    differential_threshold_attention_apply,
     differential_threshold_attention_backward_op,
     differential_threshold_attention_op,
 )
@@ -35,7 +38,7 @@ GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dbeta", "dlam")
 
 def differential_reference(q1, q2, k1, k2, v, beta, lam, power, scale):
     """A1 V - lam A2 V with an unclamped per-head lambda, materialising both maps."""
-    lam = torch.as_tensor(lam, dtype=q1.dtype).reshape(-1, 1, 1)  # (1|Hq, 1, 1)
+    lam = torch.as_tensor(lam, dtype=q1.dtype, device=q1.device).reshape(-1, 1, 1)  # (1|Hq, 1, 1)
     a1v = threshold_attention_reference(q1, k1, v, beta, power, scale)  # (B, Hq, Tq, Dv)
     return a1v - lam * threshold_attention_reference(q2, k2, v, beta, power, scale)
 
@@ -145,23 +148,95 @@ def test_triton_backend_non_contiguous(device, layout, dtype):
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_triton_backend_mixed_layouts(device):
-    """q1 and q2 (k1 and k2) with different strides: the kernels take one set per pair, so the launcher
-    copies; outputs and gradients still match the reference and have the layouts of their inputs."""
+def test_triton_backend_mixed_layouts(device, monkeypatch):
+    """q1 and q2 (k1 and k2) with different strides: the kernels take one set per pair, so one tensor of each
+    pair is copied into the other's layout, once: forward and backward read the same copy. Outputs and
+    gradients match the reference; the inputs' .grad keep their layouts."""
     gen = generator("diff_mixed", device)
     q1 = randn(gen, 1, 9, 2, 16, device=device).transpose(1, 2).requires_grad_()  # (B, H, T, D) view of (B, T, H, D)
-    k2 = randn(gen, 1, 9, 1, 16, device=device).transpose(1, 2).requires_grad_()
-    q2, k1, v = (randn(gen, *shape, device=device).requires_grad_() for shape in ((1, 2, 9, 16), (1, 1, 9, 16), (1, 1, 9, 8)))
+    k2 = randn(gen, 1, 9, 2, 16, device=device).transpose(1, 2).requires_grad_()
+    q2, k1, v = (randn(gen, *shape, device=device).requires_grad_() for shape in ((1, 2, 9, 16), (1, 2, 9, 16), (1, 2, 9, 8)))
     lam = torch.tensor([0.4, 1.2], device=device)
+    seen = []  # (q1, q2, k1, k2) as each launcher gets them
+
+    def recording(launch):
+        def wrapper(*args, **kwargs):
+            seen.append(args[:4])
+            return launch(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(td, "diff_triton_forward", recording(td.diff_triton_forward))
+    monkeypatch.setattr(td, "diff_triton_backward", recording(td.diff_triton_backward))
     out = differential_threshold_attention(q1, q2, k1, k2, v, 0.1, lam, backend="triton")
     dout = randn(gen, *out.shape, device=device)
-    grads = torch.autograd.grad(out, (q1, q2, k1, k2, v), dout)
+    out.backward(dout)
+    (fq1, fq2, fk1, fk2), (bq1, bq2, bk1, bk2) = seen
+    assert fq1 is q1 and fk1 is k1  # the first of a pair keeps its (dense) layout ...
+    assert fq2.stride() == q1.stride() and fk2.stride() == k1.stride()  # ... the second is copied into it
+    assert all(f is b for f, b in zip((fq1, fq2, fk1, fk2), (bq1, bq2, bk1, bk2)))  # backward reads the same copies
+
     inputs64 = [t.detach().double().requires_grad_() for t in (q1, q2, k1, k2, v)]
     ref = differential_reference(*inputs64, 0.1, lam.double(), 2.0, 1.0)
     ref_grads = torch.autograd.grad(ref, inputs64, dout.double())
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
-    for g, r, t in zip(grads, ref_grads, (q1, q2, k1, k2, v)):
-        assert rel_err(g, r) < TOLERANCE[torch.float32] and g.stride() == t.stride()
+    for t, r in zip((q1, q2, k1, k2, v), ref_grads):
+        assert rel_err(t.grad, r) < TOLERANCE[torch.float32] and t.grad.stride() == t.stride()
+
+
+def test_match_strides_copies_at_most_one_of_a_pair():
+    """The dense tensor's layout is kept and the other copied into it; strides that differ only in dims of
+    size 1 are no difference; two non-dense tensors are both made contiguous."""
+    gen = generator("diff_match_strides")
+    dense_t = randn(gen, 2, 7, 3, 8).transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D)
+    plain = randn(gen, 2, 3, 7, 8)
+    sliced = randn(gen, 2, 3, 14, 11)[:, :, ::2, 1:9]
+    sliced_other = randn(gen, 2, 3, 7, 12)[..., 2:10]
+    for a, b, kept in ((dense_t, plain, "a"), (sliced, plain, "b"), (plain, sliced, "a"), (sliced, sliced_other, None)):
+        a2, b2 = td.match_strides(a, b)
+        assert a2.stride() == b2.stride() and torch.equal(a2, a) and torch.equal(b2, b)
+        assert (a2 is a) == (kept == "a") and (b2 is b) == (kept == "b")
+        if kept is None:
+            assert a2.is_contiguous() and b2.is_contiguous()
+    one_head = randn(gen, 2, 1, 7, 8)
+    other_head_stride = one_head.as_strided(one_head.shape, (56, 999, 8, 1))  # the head stride is never stepped over
+    pair = td.match_strides(one_head, other_head_stride)
+    assert pair[0] is one_head and pair[1] is other_head_stride
+
+
+@pytest.mark.parametrize("backend,dtype,layout", [("torch", torch.float64, "bthd"), ("triton", torch.float32, "sliced")])
+def test_eager_path_and_custom_op_agree(backend, dtype, layout):
+    """Eager calls skip the op's dispatch (an autograd.Function on the same code): same values, strides and
+    gradients (q1, q2, k1, k2, v, beta, lambda) as the custom op; the public function takes the eager path."""
+    args = _op_args(backend, dtype, layout)
+    eager = differential_threshold_attention(*args[:7], args[7], scale=args[8], backend=backend)
+    assert "Eager" in type(eager.grad_fn).__name__
+    outs = [differential_threshold_attention_apply(*args), differential_threshold_attention_op(*args), eager]
+    dout = randn(generator("diff_agree", backend), *outs[0].shape, dtype=dtype)
+    grads = [torch.autograd.grad(out, args[:7], dout) for out in outs]
+    for out, out_grads in zip(outs[1:], grads[1:]):
+        assert torch.equal(outs[0], out) and outs[0].stride() == out.stride()
+        assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(grads[0], out_grads))
+    assert all(g.abs().max() > 0 for g in grads[0])
+
+
+def test_compiled_call_is_one_op_and_matches_eager():
+    """torch.compile(fullgraph=True) traces the op (with a q pair of different layouts, copied before it) as one
+    node per direction, without a graph break; values and gradients equal the eager call's."""
+    gen = generator("diff_compiled")
+    qkv, beta, lam = make_inputs(gen, "cpu", torch.float32, 1, 2, 1, 6, 6, 16, 8, "per_head", "per_head")
+    qkv[0] = qkv[0].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # q1: (B, T, H, D) memory
+    fn = lambda *a: differential_threshold_attention(*a, backend="triton")  # noqa: E731
+    counter = CompileCounterWithBackend("aot_eager")
+    outs = [fn(*qkv, beta, lam), torch.compile(fn, backend=counter, fullgraph=True)(*qkv, beta, lam)]
+    assert counter.frame_count == 1
+    targets = [n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.lit_thresh.differential_threshold_attention.default) == 1
+    dout = randn(gen, *outs[0].shape)
+    grads = [torch.autograd.grad(out, [*qkv, beta, lam], dout) for out in outs]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -322,6 +397,17 @@ def test_fake_tensors_give_shapes_and_dtypes_without_computing():
     assert out.shape == (2, 4, 5, 24) and out.dtype == torch.bfloat16
 
 
+def test_default_configs_follow_the_interpreter_flag(monkeypatch):
+    """default_diff_configs is cached per (head dim, dtype) and per interpreter flag: setting or clearing
+    TRITON_INTERPRET changes the tiles (small ones for the interpreter) without a stale cache entry."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gpu = td.default_diff_configs(128, torch.bfloat16)
+    assert gpu is td.default_diff_configs(128, torch.bfloat16)  # cached
+    assert gpu.fwd.block_m * gpu.fwd.block_n > 32 * 32 and gpu != td.default_diff_configs(64, torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert td.default_diff_configs(128, torch.bfloat16) == KernelConfigs(*[BlockConfig(32, 32)] * 3)
+
+
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects: compile each kernel for sm_90 down to a cubin, in a
     process without TRITON_INTERPRET (no GPU needed), with its default tiles at head dims where they are
@@ -336,9 +422,11 @@ def test_kernels_compile_for_hopper(tmp_path):
 
         cases = [("diff_threshold_fwd_kernel", "fwd", 8, "fp16", torch.float16, 256, 256, 0, False),
                  ("diff_threshold_bwd_dkv_kernel", "bwd_dkv", 11, "bf16", torch.bfloat16, 64, 128, 2, True),
-                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 12, "fp32", torch.float32, 200, 72, 1, False)]
+                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 12, "fp32", torch.float32, 200, 72, 1, False),
+                 ("diff_threshold_fwd_kernel", "fwd", 8, "bf16", torch.bfloat16, 128, 128, 2, False),
+                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 12, "fp16", torch.float16, 128, 128, 2, False)]
         for name, which, n_ptr, dtype, torch_dtype, d, dv, power_mode, skip in cases:
-            kernel, cfg = getattr(td, name), getattr(td.default_diff_configs(d, dv, torch_dtype), which)
+            kernel, cfg = getattr(td, name), getattr(td.default_diff_configs(max(d, dv), torch_dtype), which)
             consts = dict(D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, POWER_MODE=power_mode, FP16_RANGE=dtype == "fp16",
                           PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=skip)

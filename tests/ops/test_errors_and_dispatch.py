@@ -153,14 +153,16 @@ def test_kernels_compile_for_hopper(tmp_path):
         from triton.compiler import ASTSource
         from lit_thresh.ops import triton_kernels as tk
 
-        pointers = {"threshold_fwd_kernel": 5, "threshold_bwd_dkv_kernel": 7, "threshold_bwd_dq_kernel": 7}
+        pointers = {"threshold_fwd_kernel": 6, "threshold_bwd_dkv_kernel": 8, "threshold_bwd_dq_kernel": 8}
         for (name, n_ptr), (dtype, d, power_mode, float_type) in itertools.product(
             pointers.items(), [("fp16", 48, 0, "fp32"), ("bf16", 64, 2, "fp64"), ("fp32", 128, 1, "fp32")]
         ):
             kernel = getattr(tk, name)
             consts = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
-                          BLOCK_M=64, BLOCK_N=64, POWER_MODE=power_mode, FP16_RANGE=dtype == "fp16",
+                          BLOCK_M=64, BLOCK_N=64, POWER_MODE=power_mode, ROW_SCALE=dtype == "fp16",
                           PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=False, USE_TMA=False)
+            if name != "threshold_fwd_kernel":
+                consts["FP16_RANGE"] = False
             if name == "threshold_bwd_dq_kernel":
                 consts["BETA_GRAD"] = True
             sig = {}
@@ -168,7 +170,7 @@ def test_kernels_compile_for_hopper(tmp_path):
                 if arg in consts:
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
-                    sig[arg] = "*fp32" if arg in ("BETA", "DBETA_ROWS") else f"*{dtype}"
+                    sig[arg] = "*fp32" if arg in ("BETA", "DBETA_ROWS", "ROW_NORMS") else f"*{dtype}"
                 elif arg in ("scale", "power", "gain_coef"):
                     sig[arg] = float_type
                 else:

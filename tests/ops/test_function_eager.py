@@ -1,0 +1,52 @@
+"""The eager call path (function.threshold_attention_apply): an autograd node only when a gradient can be
+asked for, the forward alone otherwise, with the same result; forward-mode AD is refused as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from lit_thresh.ops import threshold_attention
+from lit_thresh.ops.reference import threshold_attention_reference
+from tests.ops.helpers import TOLERANCE, generator, randn, rel_err
+
+
+def _inputs(requires_grad: bool):
+    gen = generator("eager", requires_grad)
+    q, k, v = (randn(gen, 1, 2, 40, 16).requires_grad_(requires_grad) for _ in range(3))
+    return q, k, v, randn(gen, 2, scale=0.3)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_no_grad_calls_record_no_node_and_give_the_same_output(backend):
+    q, k, v, beta = _inputs(True)
+    with_graph = threshold_attention(q, k, v, beta, 2.0, backend=backend)
+    with torch.no_grad():
+        no_grad = threshold_attention(q, k, v, beta, 2.0, backend=backend)
+    detached = threshold_attention(q.detach(), k.detach(), v.detach(), beta, 2.0, backend=backend)
+    assert with_graph.grad_fn is not None
+    assert no_grad.grad_fn is None and detached.grad_fn is None and not detached.requires_grad
+    torch.testing.assert_close(no_grad, with_graph.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(detached, with_graph.detach(), rtol=0, atol=0)
+    ref = threshold_attention_reference(q.double(), k.double(), v.double(), beta.double(), 2.0)
+    assert rel_err(detached, ref) < TOLERANCE[torch.float32]
+
+
+def test_a_beta_that_requires_grad_alone_gets_its_gradient():
+    q, k, v, beta = _inputs(False)
+    beta.requires_grad_()
+    (dbeta,) = torch.autograd.grad(threshold_attention(q, k, v, beta, 2.0).sum(), beta)
+    beta64 = beta.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(threshold_attention_reference(q.double(), k.double(), v.double(), beta64, 2.0).sum(), beta64)
+    assert rel_err(dbeta, ref) < TOLERANCE[torch.float32]
+
+
+def test_forward_mode_tangents_are_refused_not_dropped():
+    """With no input requiring grad, a forward-mode tangent still goes through the autograd.Function,
+    which has no jvp: an error, not an output that silently lost its tangent."""
+    q, k, v, beta = _inputs(False)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            threshold_attention(dual, k, v, beta, 2.0)
