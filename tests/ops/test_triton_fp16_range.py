@@ -47,6 +47,13 @@ def _compare(device, power, q, k, v, dout, beta: float, scale: float):
     return got, want
 
 
+def _assert_finite_and_close(got, want) -> None:
+    """Forward and gradients finite, each within fp16's tolerance plus its own rounding floor."""
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dbeta"), got, want):
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, w) < TOL + rel_err(w.to(g.dtype), w), name
+
+
 # (power, scale of q and k, of v, of dO, softmax scale, beta): P past fp16 (scores up to ~1e3 for p = 2,
 # P up to 5e5), then dS past fp16 (large dO and v, small scale so that dq, dk stay finite).
 WEIGHT_RANGE = [(2.0, 6.0, 1e-3, 1e-3, 1.0, 0.5), (1.0, 30.0, 1e-2, 1e-2, 16.0, 0.5), (3.0, 3.0, 1e-4, 1e-4, 1.0, 0.5),
@@ -66,9 +73,7 @@ def test_fp16_out_of_range_products_match_the_reference(device, case):
     p_max, ds_max = _largest_p_and_ds(q, k, v, dout, beta, power, scale)
     assert max(p_max, ds_max) > FP16_MAX, "the case must drive P or dS out of fp16's range"
     got, want = _compare(device, power, q, k, v, dout, beta, scale)
-    for name, g, w in zip(("out", "dq", "dk", "dv", "dbeta"), got, want):
-        assert torch.isfinite(g).all(), name
-        assert rel_err(g, w) < TOL + rel_err(w.to(g.dtype), w), name
+    _assert_finite_and_close(got, want)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -81,9 +86,7 @@ def test_fp16_negative_scale_keeps_p_in_range(device):
     dout = randn(gen, 1, 2, 64, 32, scale=1e-3, dtype=torch.float16, device=device)
     assert _largest_p_and_ds(q, k, v, dout, 0.5, 2.0, -1.0)[0] > FP16_MAX
     got, want = _compare(device, 2.0, q, k, v, dout, 0.5, -1.0)
-    for name, g, w in zip(("out", "dq", "dk", "dv", "dbeta"), got, want):
-        assert torch.isfinite(g).all(), name
-        assert rel_err(g, w) < TOL + rel_err(w.to(g.dtype), w), name
+    _assert_finite_and_close(got, want)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -95,9 +98,7 @@ def test_fp16_negative_beta_short_sequence_keeps_the_padding_rows_in_range(devic
     q, k, v = (randn(gen, 1, 2, t, 16, scale=0.05, dtype=torch.float16, device=device).requires_grad_() for _ in range(3))
     dout = randn(gen, 1, 2, t, 16, dtype=torch.float16, device=device)
     got, want = _compare(device, 2.0, q, k, v, dout, -1.0, 1.0)
-    for name, g, w in zip(("out", "dq", "dk", "dv", "dbeta"), got, want):
-        assert torch.isfinite(g).all(), name
-        assert rel_err(g, w) < TOL + rel_err(w.to(g.dtype), w), name
+    _assert_finite_and_close(got, want)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
