@@ -390,7 +390,10 @@ def test_unfinished_run_starts_over_and_a_failure_names_it(tmp_path, monkeypatch
     root = tmp_path / "out"
     monkeypatch.setattr(runner, "launch", fake_fit({"val/acc": 0.25}, []))
     compare.main(["--config", config, "--root", str(root)])
-    (root / "threshold" / "seed0" / "results.json").unlink()
+    run_dir = root / "threshold" / "seed0"
+    (run_dir / "results.json").unlink()  # and its fit never finished (no last.ckpt to resume from either):
+    started = json.loads((run_dir / "started.json").read_text())
+    (run_dir / "started.json").write_text(json.dumps({k: v for k, v in started.items() if k != "fitted"}))
     launched = []
 
     def failing_launch(subcommand, args, log, run, env, prefix):

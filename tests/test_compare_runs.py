@@ -192,6 +192,37 @@ def test_unfinished_run_resumes_unless_its_configuration_changed(tmp_path, capsy
     assert (run_dir.parent / "seed0.old-1" / "checkpoints" / "last.ckpt").is_file()
 
 
+def test_a_finished_fit_whose_test_was_lost_is_only_tested(tmp_path, capsys, monkeypatch):
+    """A compare stopped during a run's test: the next one tests the fit's checkpoint and does not train again
+    (which would change the fit: EarlyStopping's stop is not in the checkpoint)."""
+    calls: list = []
+    fit = fake_fit({"val/acc": 0.5}, calls)
+
+    def test_killed(subcommand, args, log, run, env, prefix):
+        if subcommand == "test":
+            calls.append((subcommand, run, args))
+            raise runner.RunFailed(f"run {run}: `lit_thresh test` exited with code -9; see {log}")
+        fit(subcommand, args, log, run, env, prefix)
+        save_checkpoint(log.parent / "checkpoints" / "last.ckpt", 4)
+
+    config = ["--config", str(write_comparison(tmp_path, seeds=[0], variants=SOFTMAX, test=True)),
+              "--root", str(tmp_path / "out")]
+    monkeypatch.setattr(runner, "launch", test_killed)
+    with pytest.raises(SystemExit, match="exited with code -9"):
+        compare.main(config)
+    run_dir = tmp_path / "out" / "softmax" / "seed0"
+    assert [call[0] for call in calls] == ["fit", "test"] and not (run_dir / "results.json").exists()
+
+    calls.clear()
+    monkeypatch.setattr(runner, "launch", lambda subcommand, args, log, run, env, prefix: calls.append(subcommand))
+    compare.main(config)
+    assert calls == ["test"]
+    assert "[softmax/seed0] fitted before: testing it" in capsys.readouterr().out
+    result = json.loads((run_dir / "results.json").read_text())
+    assert result["metrics"]["val/acc"] == 0.5 and "fitted" not in result
+    assert not list(run_dir.parent.glob("seed0.old-*"))
+
+
 def test_a_run_another_compare_holds_is_left_alone(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(runner, "launch", fake_fit({"val/acc": 0.25}, calls))

@@ -36,6 +36,7 @@ from lit_thresh.compare.state import (
     best_checkpoint,
     change,
     check_not_in_use,
+    fitted,
     move_aside,
     record,
     resume_point,
@@ -159,8 +160,9 @@ def logging_args(root: Path, run: Run) -> list[str]:
 def train(cfg: Namespace, run: Run, env: dict[str, str], prefix: bool = False) -> dict:
     """Fits (and tests) one run and writes its results.json; returns the results. Holds the run's compare
     lock throughout (RunFailed if another compare holds it). Decided under the lock: a run finished
-    meanwhile is returned as it is; an unfinished one started with this configuration resumes from its
-    last.ckpt; any other folder of the run is moved aside (<folder>.old-N) and the run starts over."""
+    meanwhile is returned as it is; one whose fit finished with this configuration is only tested (an
+    interrupted test); an unfinished one started with this configuration resumes from its last.ckpt; any
+    other folder of the run is moved aside (<folder>.old-N) and the run starts over."""
     root = Path(cfg.root)
     run_dir = run.dir(root)
     args = run_args(cfg, run)
@@ -168,30 +170,37 @@ def train(cfg: Namespace, run: Run, env: dict[str, str], prefix: bool = False) -
         if (done := finished(cfg, run, show=False)) is not None:
             return done
         resume: tuple[Path, int] | None = None
+        started: dict | None = None  # started.json, once a fit with this configuration has finished
         if run_dir.exists():
             check_not_in_use(run_dir, run.name)
-            if (run_dir / RESULTS).is_file():  # --rerun of a run finished with another configuration
-                recorded = json.loads((run_dir / RESULTS).read_text())
-                why = f"finished with another configuration: {change(recorded, args)}"
+            if (started := fitted(run_dir, args)) is not None:
+                PROCESSES.show(f"[{run.name}] fitted before: testing it\n")
             else:
-                try:
-                    resume = resume_point(run_dir, args)
-                except CannotResume as error:
-                    why = str(error)
+                if (run_dir / RESULTS).is_file():  # --rerun of a run finished with another configuration
+                    previous = json.loads((run_dir / RESULTS).read_text())
+                    why = f"finished with another configuration: {change(previous, args)}"
+                else:
+                    try:
+                        resume = resume_point(run_dir, args)
+                    except CannotResume as error:
+                        why = str(error)
+                if resume is None:
+                    PROCESSES.show(f"[{run.name}] starting over ({why}): the old folder is now {move_aside(run_dir)}\n")
+        if started is None:
+            fit_args = [*args, *logging_args(root, run)]
             if resume is None:
-                PROCESSES.show(f"[{run.name}] starting over ({why}): the old folder is now {move_aside(run_dir)}\n")
-        fit_args = [*args, *logging_args(root, run)]
-        if resume is None:
-            run_dir.mkdir(parents=True)
-            recorded = record(args) | {"started": time.time()}  # the configs as they are when the fit starts
-            write_atomic(run_dir / STARTED, json.dumps(recorded, indent=2))
-        else:
-            checkpoint, step = resume
-            recorded = json.loads((run_dir / STARTED).read_text())
-            PROCESSES.show(f"[{run.name}] unfinished: resuming it from {checkpoint} (step {step})\n")
-            # TensorBoard hides what the interrupted fit logged after the checkpoint: it is logged again
-            fit_args += [f"--ckpt_path={checkpoint}", f"--trainer.logger.init_args.purge_step={step}"]
-        launch("fit", fit_args, run_dir / "fit.log", run.name, env, prefix)
+                run_dir.mkdir(parents=True)
+                started = record(args) | {"started": time.time()}  # the configs as they are when the fit starts
+                write_atomic(run_dir / STARTED, json.dumps(started, indent=2))
+            else:
+                checkpoint, step = resume
+                started = json.loads((run_dir / STARTED).read_text())
+                PROCESSES.show(f"[{run.name}] unfinished: resuming it from {checkpoint} (step {step})\n")
+                # TensorBoard hides what the interrupted fit logged after the checkpoint: it is logged again
+                fit_args += [f"--ckpt_path={checkpoint}", f"--trainer.logger.init_args.purge_step={step}"]
+            launch("fit", fit_args, run_dir / "fit.log", run.name, env, prefix)
+            started["fitted"] = True  # should the test be lost, a later compare only tests it
+            write_atomic(run_dir / STARTED, json.dumps(started, indent=2))
         if cfg.test:  # from the fit's own resolved config: immune to config files edited since
             test_args = [f"--config={run_dir / 'config.yaml'}", *logging_args(root, run)]
             test_args.append(f"--ckpt_path={best_checkpoint(run_dir)}")
@@ -203,7 +212,7 @@ def train(cfg: Namespace, run: Run, env: dict[str, str], prefix: bool = False) -
             "variant": run.variant,
             "cell": dict(run.cell),
             "seed": run.seed,
-            **recorded,  # what the fit started from, not the config files as they are now
+            **{key: value for key, value in started.items() if key != "fitted"},  # what the fit started from
             "eval_length": length,
             "eval_pairs": pairs,
             "metrics": final_scalars(run_dir, monitor.get("monitor"), monitor.get("mode") or "min"),

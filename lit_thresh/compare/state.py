@@ -77,6 +77,16 @@ def check_not_in_use(run_dir: Path, name: str) -> None:
     lock.release()
 
 
+def fitted(run_dir: Path, args: Sequence[str]) -> dict | None:
+    """The started.json of a run whose fit finished with the configuration of `args` (only its test and
+    results.json are left), else None."""
+    started = run_dir / STARTED
+    if not started.is_file():
+        return None
+    recorded = json.loads(started.read_text())
+    return recorded if recorded.get("fitted") and change(recorded, args) is None else None
+
+
 def resume_point(run_dir: Path, args: Sequence[str]) -> tuple[Path, int]:
     """The last.ckpt of an unfinished run and its step, when the run was started with the configuration
     of `args`; CannotResume saying why not otherwise."""
