@@ -45,18 +45,21 @@ def reference_with_grads(q, k, v, beta, power, scale, dout):
     return out, grads
 
 
+def laid_out(gen, layout: str, b: int, h: int, t: int, dim: int, dtype, device) -> torch.Tensor:
+    """A (B, H, T, D) input requiring grad: contiguous ('bhtd'), a (B, T, H, D) tensor seen as (B, H, T, D)
+    ('bthd') or every other position and a slice of a wider head dim ('sliced')."""
+    if layout == "bthd":
+        return randn(gen, b, t, h, dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
+    if layout == "sliced":
+        return randn(gen, b, h, 2 * t, dim + 3, dtype=dtype, device=device)[:, :, ::2, 1 : dim + 1].requires_grad_()
+    return randn(gen, b, h, t, dim, dtype=dtype, device=device).requires_grad_()
+
+
 def check_against_reference(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, power, scale=1.0, layout="bhtd") -> bool:
     """Run forward + backward and compare output and every gradient with the reference (True when compared)."""
     gen = generator(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, beta, power, scale, layout)
 
-    def make(h, t, dim):
-        if layout == "bthd":  # a (B, T, H, D) tensor seen as (B, H, T, D): non-contiguous
-            return randn(gen, b, t, h, dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
-        if layout == "sliced":  # every other position and a slice of a wider head dim
-            return randn(gen, b, h, 2 * t, dim + 3, dtype=dtype, device=device)[:, :, ::2, 1 : dim + 1].requires_grad_()
-        return randn(gen, b, h, t, dim, dtype=dtype, device=device).requires_grad_()
-
-    q, k, v = make(hq, tq, d), make(hkv, tk, d), make(hkv, tk, dv)
+    q, k, v = (laid_out(gen, layout, b, h, t, dim, dtype, device) for h, t, dim in ((hq, tq, d), (hkv, tk, d), (hkv, tk, dv)))
     beta_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # a parameter's dtype
     if beta == "per_head":
         beta = randn(gen, hq, device=device, dtype=beta_dtype).requires_grad_()

@@ -30,7 +30,7 @@ from lit_thresh.ops.differential_function import (
 from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
 from lit_thresh.ops.triton_differential import diff_triton_backward, diff_triton_forward
 from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs
-from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, randn, rel_err
+from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, laid_out, randn, rel_err
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dbeta", "dlam")
@@ -49,11 +49,7 @@ def make_inputs(gen, device, dtype, b, hq, hkv, tq, tk, d, dv, beta, lam, layout
     drawn in [-0.5, 1.5] (lam unclamped)."""
 
     def make(h, t, dim):
-        if layout == "bthd":  # a (B, T, H, D) tensor seen as (B, H, T, D): non-contiguous
-            return randn(gen, b, t, h, dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
-        if layout == "sliced":  # every other position and a slice of a wider head dim
-            return randn(gen, b, h, 2 * t, dim + 3, dtype=dtype, device=device)[:, :, ::2, 1 : dim + 1].requires_grad_()
-        return randn(gen, b, h, t, dim, dtype=dtype, device=device).requires_grad_()
+        return laid_out(gen, layout, b, h, t, dim, dtype, device)
 
     param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
