@@ -211,7 +211,9 @@ class MQARDataModule(ResumableDataModule):
 
     def train_dataloader(self) -> DataLoader:
         options = batched_loader_options(self.hparams.num_workers)
-        return self.resumable_loader(self.datasets["train"], self.hparams.batch_size, self.hparams.seed, **options)
+        # whole batches only: a compiled model then sees one shape (a last, shorter batch would recompile it)
+        train, batch_size = self.datasets["train"], self.hparams.batch_size
+        return self.resumable_loader(train, batch_size, self.hparams.seed, drop_last=True, **options)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["val"])

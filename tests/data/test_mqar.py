@@ -121,6 +121,29 @@ def test_datamodule_splits_and_batches():
     assert not torch.equal(dm.datasets["test/all"][:]["input_ids"], val), "test and val share a seed"
 
 
+def test_training_batches_are_whole():
+    """128 examples in batches of 48: two whole batches an epoch, the last 32 (a different 32 each epoch)
+    left out, so that a compiled model sees one batch shape."""
+    dm = make_datamodule(batch_size=48)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert len(loader) == 2
+    epochs = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        batches = list(loader)
+        assert [b["input_ids"].shape[0] for b in batches] == [48, 48]
+        epochs.append(torch.cat([b["input_ids"] for b in batches]))
+    assert not torch.equal(epochs[0], epochs[1])
+
+
+def test_batch_larger_than_the_training_set():
+    dm = make_datamodule(batch_size=129)
+    dm.setup("fit")
+    with pytest.raises(ValueError, match=r"batch_size 129 is larger than the training set \(128 examples\)"):
+        dm.train_dataloader()
+
+
 @pytest.mark.parametrize("vocab_size", [32, 200])
 def test_length_test_sets_scale_the_length_and_the_pairs(vocab_size):
     """m x L with the same N pairs and with m x N pairs, where the vocabulary holds m x N keys."""
