@@ -346,6 +346,7 @@ def test_plot_against_a_grid_axis_has_a_panel_per_label_and_a_line_per_variant(t
             runs = [run for run in results if run.variant == bars.get_label() and run.cell[0] == ("L", length)]
             assert list(line.get_xdata()) == [64, 128, 256]
             assert list(line.get_ydata()) == pytest.approx([results[run]["metrics"]["best/val/acc"] for run in runs])
+    assert figure.axes[0].get_ylim() == figure.axes[1].get_ylim()  # one y range: the panels compare at a glance
 
 
 def fake_fit(tags: dict[str, float], calls: list):

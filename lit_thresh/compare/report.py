@@ -248,6 +248,10 @@ def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None
             ax.tick_params(axis="x", labelrotation=20)
         else:
             _lines_against(ax, by_line, colors, (names or {})[axes.x])
+    if len(key_panels) > 1:  # one y range for every panel, so that panels compare at a glance (as Zoology's)
+        low, high = zip(*(ax.get_ylim() for ax in all_axes[: len(key_panels)]))
+        for ax in all_axes[: len(key_panels)]:
+            ax.set_ylim(min(low), max(high))
     for ax, (panel, by_row) in zip(all_axes[len(key_panels) :], sorted(curves.items())):
         _lines_against(ax, {row: {str(k): summarize(v) for k, v in by_length.items()} for row, by_length in
                             by_row.items()}, colors, "sequence length")
