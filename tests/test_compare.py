@@ -349,6 +349,22 @@ def test_plot_against_a_grid_axis_has_a_panel_per_label_and_a_line_per_variant(t
     assert figure.axes[0].get_ylim() == figure.axes[1].get_ylim()  # one y range: the panels compare at a glance
 
 
+def test_plot_panels_share_the_y_range_of_the_panels_with_values(tmp_path):
+    """A panel whose runs all logged NaN neither stretches the shared y range (matplotlib's default 0..1)
+    nor breaks the plot."""
+    rng = torch.Generator().manual_seed(4)
+    results = {}
+    for i, (length, width) in enumerate((length, w) for length in ("64", "128") for w in ("64", "128")):
+        result = fake_result(rng, ["best/val/acc"])
+        result["metrics"]["best/val/acc"] = 0.97 + 0.02 * result["metrics"]["best/val/acc"] if length == "64" else math.nan
+        results[Run(i, "softmax", (("L", length), ("d_model", width)), 0)] = result
+    rows = report.make_rows(results, ["softmax"])
+    axes = plan.PlotAxes(x="model.config.d_model", panels="L")
+    figure = report.plot(tmp_path / "p.png", rows, "best/val/acc", axes, {"L": "L", "model.config.d_model": "d_model"})
+    low, high = figure.axes[0].get_ylim()
+    assert 0.96 < low < high < 1.0 and figure.axes[1].get_ylim() == (low, high)
+
+
 def fake_fit(tags: dict[str, float], calls: list):
     """A stand-in for runner.launch: records the call and writes what a fit leaves (config.yaml, events)."""
 

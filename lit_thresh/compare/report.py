@@ -248,8 +248,9 @@ def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None
             ax.tick_params(axis="x", labelrotation=20)
         else:
             _lines_against(ax, by_line, colors, (names or {})[axes.x])
-    if len(key_panels) > 1:  # one y range for every panel, so that panels compare at a glance (as Zoology's)
-        low, high = zip(*(ax.get_ylim() for ax in all_axes[: len(key_panels)]))
+    drawn = [ax for ax in all_axes[: len(key_panels)] if _has_finite_data(ax)]
+    if drawn and len(key_panels) > 1:  # one y range for every panel, so that panels compare at a glance (as Zoology's)
+        low, high = zip(*(ax.get_ylim() for ax in drawn))
         for ax in all_axes[: len(key_panels)]:
             ax.set_ylim(min(low), max(high))
     for ax, (panel, by_row) in zip(all_axes[len(key_panels) :], sorted(curves.items())):
@@ -259,6 +260,13 @@ def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None
         ax.set_title(f"test/{name} vs length" + (f", {panel}" if panel else ""))
     figure.savefig(path, dpi=120)
     return figure
+
+
+def _has_finite_data(ax: Axes) -> bool:
+    """Whether a panel drew any finite value (a panel of NaNs keeps matplotlib's default y range)."""
+    values = [y for line in ax.get_lines() for y in line.get_ydata()]
+    values += [patch.get_height() for patch in ax.patches]
+    return any(math.isfinite(y) for y in values)
 
 
 def _lines_against(ax: Axes, by_line: dict[str, dict[str, Summary]], colors: dict[str, str], xlabel: str) -> None:

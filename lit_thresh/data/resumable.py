@@ -112,13 +112,14 @@ class ResumableDataModule(LightningDataModule):
     ) -> ResumableLoader:
         """A training DataLoader over ``dataset`` in the order of ``seed``, at a loaded checkpoint's position."""
         ranks = (self.trainer.distributed_sampler_kwargs if self.trainer else None) or {}
-        self.train_sampler = ResumableSampler(dataset, batch_size, seed=seed, **ranks)
-        if loader_kwargs.get("drop_last") and self.train_sampler.num_samples < batch_size:
+        sampler = ResumableSampler(dataset, batch_size, seed=seed, **ranks)
+        if loader_kwargs.get("drop_last") and sampler.num_samples < batch_size:
             raise ValueError(
-                f"batch_size {batch_size} is larger than the training set ({self.train_sampler.num_samples} "
-                f"examples{' per rank' if self.train_sampler.num_replicas > 1 else ''}): not one whole batch; "
+                f"batch_size {batch_size} is larger than the training set ({sampler.num_samples} "
+                f"examples{' per rank' if sampler.num_replicas > 1 else ''}): not one whole batch; "
                 "lower batch_size or give more training examples"
             )
+        self.train_sampler = sampler
         generator = torch.Generator().manual_seed(seed)
         loader = ResumableLoader(
             dataset, batch_size=batch_size, generator=generator, sampler=self.train_sampler, **loader_kwargs
