@@ -328,19 +328,22 @@ def test_final_scalars_length_points_and_plot(tmp_path):
 
 def test_plot_against_a_grid_axis_has_a_panel_per_label_and_a_line_per_variant(tmp_path):
     rng = torch.Generator().manual_seed(2)
-    cells = [(v, length, w) for v in ("softmax", "threshold") for length in ("64", "128") for w in ("64", "128", "256")]
+    variants = ["softmax", "threshold", "diff_threshold", "diff_softmax"]
+    cells = [(v, length, w) for v in variants for length in ("64", "128") for w in ("64", "128", "256")]
     results = {
         Run(i, variant, (("L", length), ("d_model", width)), 0): fake_result(rng, ["best/val/acc"])
         for i, (variant, length, width) in enumerate(cells)
     }
-    rows = report.make_rows(results, ["softmax", "threshold"])
+    rows = report.make_rows(results, variants)
     names = {"L": "L", "model.config.d_model": "d_model"}
     axes = plan.PlotAxes(x="model.config.d_model", panels="L")
     figure = report.plot(tmp_path / "p.png", rows, "best/val/acc", axes, names)
     titles = [f"best/val/acc, mean ± std over seeds, L = {length}" for length in ("64", "128")]
     assert [ax.get_title() for ax in figure.axes] == titles
     for ax, length in zip(figure.axes, ("64", "128")):
-        assert [bars.get_label() for bars in ax.containers] == ["softmax", "threshold"]  # errorbar: a line each
+        assert [bars.get_label() for bars in ax.containers] == variants  # errorbar: a line each
+        colours = [bars.lines[0].get_color() for bars in ax.containers]
+        assert colours == [f"C{i}" for i in range(4)]  # a colour per variant, the same in every panel
         for bars in ax.containers:
             line = bars.lines[0]
             runs = [run for run in results if run.variant == bars.get_label() and run.cell[0] == ("L", length)]

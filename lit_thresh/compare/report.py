@@ -232,8 +232,11 @@ def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None
     count = len(key_panels) + len(curves)
     figure = Figure(figsize=(5 * count, 4), layout="constrained")
     all_axes = figure.subplots(1, count, squeeze=False)[0]
-    lines = sorted({line for _, by_line in key_panels for line in by_line} | {row.label for row in rows})
-    colors = {line: f"C{i % 10}" for i, line in enumerate(lines)}  # one colour per line in every panel
+    # one colour per line in every panel, numbered apart for the key panels' lines and the length panels'
+    # rows: a shared count made lines of one panel collide modulo matplotlib's 10 colours
+    key_lines = list(dict.fromkeys(line for _, by_line in key_panels for line in by_line))
+    colors = {label: f"C{i % 10}" for i, label in enumerate(row.label for row in rows)}
+    colors |= {line: f"C{i % 10}" for i, line in enumerate(key_lines)}
     missing = [row.label for row in rows if key_metric not in summaries(row, [key_metric])]
     for ax, (panel, by_line) in zip(all_axes, key_panels):
         title = f"{key_metric}, mean ± std over seeds" + (f", {panel}" if panel else "")
