@@ -4,7 +4,9 @@ by one power of two per row, fixed before the key loop (ROW_SCALE; lit_thresh/op
 Each range case drives P, dS1 or dS2 past fp16's largest value (65504), measured in float64, while the
 outputs and gradients stay finite, and compares the forward and all 7 gradients (q1, q2, k1, k2, v, beta,
 lambda) with the float64 reference (lit_thresh/ops/reference.py). Rows of very different norms each get
-their own scale (checked row by row), and inf or NaN inputs reach only what depends on them.
+their own scale (checked row by row), and inf or NaN inputs reach only what depends on them. lambda and
+beta differ within GQA groups (the dK/dV kernel's group maxima), lambda = 0 takes the -inf bound path, and
+one map's q or k far larger than the other's tells the maps' bounds apart.
 """
 
 from __future__ import annotations
@@ -30,23 +32,27 @@ def _reference(q1, q2, k1, k2, v, beta, lam, power, scale):
     return a1v - lam.reshape(-1, 1, 1) * threshold_attention_reference(q2, k2, v, beta, power, scale)
 
 
-def _largest(q1, q2, k1, k2, v, dout, beta: float, lam, power: float, scale: float) -> tuple[float, float, float]:
-    """max |P|, max |dS1|, max |dS2| of the causal maps in float64 (as the kernels form them before the fp16 cast)."""
+def _largest(q1, q2, k1, k2, v, dout, beta, lam, power: float, scale: float) -> tuple[float, float, float]:
+    """max |P|, max |dS1|, max |dS2| of the causal maps in float64 (as the kernels form them before the fp16 cast);
+    beta and lam: one value or one per query head. dS is 0 where the weight is (masked or below tau)."""
     q1, q2, k1, k2, v, do = (t.detach().double() for t in (q1, q2, k1, k2, v, dout))
     group = q1.shape[1] // k1.shape[1]
     k1, k2, v = (t.repeat_interleave(group, 1) for t in (k1, k2, v))
+    beta = torch.as_tensor(beta, dtype=torch.float64)
     lam = torch.as_tensor(lam, dtype=torch.float64).reshape(-1, 1, 1)
     w1, w2 = (threshold_attention_weights(q, k, beta, power, scale) for q, k in ((q1, k1), (q2, k2)))  # (B, H, Tq, Tk)
     dp = do @ v.transpose(-1, -2)
-    ds1 = dp * power * w1 ** ((power - 1.0) / power)  # dP p x^(p-1), x = w^(1/p)
-    ds2 = lam * dp * power * w2 ** ((power - 1.0) / power)
+    # dP p x^(p-1), x = w^(1/p); 0 where w is (for p = 1, w^0 would be 1 there)
+    ds1, ds2 = (dp * power * torch.where(w > 0, w ** ((power - 1.0) / power), 0.0) for w in (w1, w2))
+    ds2 = lam * ds2
     return (w1 - lam * w2).abs().max().item(), ds1.abs().max().item(), ds2.abs().max().item()
 
 
-def _run(inputs, dout, beta: float, lam, power: float, scale: float):
-    """Forward and the 7 gradients of the Triton op, and the same from the float64 reference."""
+def _run(inputs, dout, beta, lam, power: float, scale: float):
+    """Forward and the 7 gradients of the Triton op, and the same from the float64 reference; beta and lam:
+    one value or one per query head."""
     device, hq = inputs[0].device, inputs[0].shape[1]
-    beta_t = torch.full((hq,), beta, device=device, requires_grad=True)
+    beta_t = torch.as_tensor(beta, dtype=torch.float32).expand(hq).to(device).clone().requires_grad_()
     lam_t = torch.as_tensor(lam, dtype=torch.float32).expand(hq).to(device).clone().requires_grad_()
     out = differential_threshold_attention(*inputs, beta_t, lam_t, power, scale=scale, backend="triton")
     got = (out, *torch.autograd.grad(out, (*inputs, beta_t, lam_t), dout))
@@ -94,12 +100,70 @@ def test_fp16_diff_out_of_range_products_match_the_reference(device, case):
 @pytest.mark.parametrize("power,qk", [(1.0, 6.0), (2.0, 2.5), (1.5, 4.0)])
 def test_fp16_diff_large_lambda_counts_in_the_bounds(device, power, qk):
     """|lambda| = 300: P1, P2 stay inside fp16 but P = P1 - lambda P2 does not; the P bound takes |lambda|
-    (one head's lambda is negative), and so does the dS2 bound (dS2 = -lambda dP p x2^(p-1))."""
-    inputs, dout = _inputs(generator("fp16-diff-lambda", power), device, 2, 2, 64, 64, 32, qk, 1e-3, 1e-3)
-    lam = torch.tensor([300.0, -300.0])
+    (one head's lambda is negative), and so does the dS2 bound (dS2 = -lambda dP p x2^(p-1)). GQA with
+    lambda differing within each group (0.5 and -300, then 300 and 0.6): the dK/dV kernel's bounds take
+    the largest |lambda| of the group, which is not its first head's in group 0 nor its last head's in
+    group 1."""
+    inputs, dout = _inputs(generator("fp16-diff-lambda", power), device, 4, 2, 64, 64, 32, qk, 1e-3, 1e-3)
+    lam = torch.tensor([0.5, -300.0, 300.0, 0.6])
     p_max = _largest(*inputs, dout, 0.5, lam, power, 1.0)[0]
     assert p_max > FP16_MAX and p_max / 300 < FP16_MAX
     _assert_finite_and_close(*_run(inputs, dout, 0.5, lam, power, 1.0))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("power,qk", [(1.0, 60.0), (1.5, 9.0), (2.0, 6.0)])
+def test_fp16_diff_zero_lambda_leaves_the_second_map_out_of_the_bounds(device, power, qk):
+    """lambda = 0 makes log2 |lambda| = -inf: the P bound is then map 1's alone and the dS2 bound, -inf,
+    gives dS2 (all exactly 0) no scale rather than 2^inf (0 * inf = NaN). Heads 0, 2, 3 have lambda = 0
+    (the forward and dQ kernels' per-head path), GQA group 0 mixes 0 with 0.5 and group 1 is all 0 (the
+    dK/dV kernel's group maximum, -inf); P leaves fp16's range, and dq2 of those heads and dk2 of group 1
+    are exactly 0."""
+    inputs, dout = _inputs(generator("fp16-diff-zero-lambda", power), device, 4, 2, 48, 64, 32, qk, 1e-3, 1e-3)
+    lam = torch.tensor([0.0, 0.5, 0.0, 0.0])
+    assert _largest(*inputs, dout, 0.5, lam, power, 1.0)[0] > FP16_MAX
+    got, want = _run(inputs, dout, 0.5, lam, power, 1.0)
+    _assert_finite_and_close(got, want)
+    dq2, dk2 = got[2], got[4]
+    assert torch.equal(dq2[:, [0, 2, 3]], torch.zeros_like(dq2[:, [0, 2, 3]])) and dq2[:, 1].abs().max() > 0
+    assert torch.equal(dk2[:, 1], torch.zeros_like(dk2[:, 1])) and dk2[:, 0].abs().max() > 0
+
+
+# (power, the input made larger, by how much, lambda, scale of q and k, of v and dO): one map's scores far
+# larger than the other's. The P bound, max(base1^p, |lambda| base2^p) up to a bit, is symmetric in the maps
+# but for lambda: with base1 and base2 swapped it is min(|lambda|, ratio^p) too small where map 2 is the
+# larger, min(1 / |lambda|, ratio^p) where map 1 is: 64x (p = 1, 1.5), 256x (p = 2, whose forward rounds its
+# exponent up to an even one) in the first six cases (forward, dK/dV). The dS bounds scale with
+# base_m^(p-1): where one map's q or k is 64x larger (p = 2, the last four), its dS bounded by the other
+# map's base would be 64x too small (dK/dV, dQ). q-scaled cases check the q norms the dK/dV kernel reads
+# per map and the dQ kernel's own rows; k-scaled ones the forward's and the dQ kernel's k norms per map and
+# the dK/dV kernel's own rows. v and dO are scaled so that every result stays within fp16's normal range.
+MAP_IMBALANCE = [(1.0, "k2", 64, 64.0, 0.5, 0.05), (1.0, "q1", 64, -1 / 64, 0.5, 1.0),
+                 (2.0, "q2", 16, 256.0, 0.125, 0.16), (2.0, "k1", 16, 1 / 256, 0.125, 2.0),
+                 (1.5, "q2", 16, 64.0, 0.25, 0.2), (1.5, "k1", 16, 1 / 64, 0.5, 1.0),
+                 (2.0, "q2", 64, 0.5, 0.5, 0.035), (2.0, "q1", 64, -0.5, 0.25, 0.25),
+                 (2.0, "k2", 64, 0.5, 0.25, 0.3), (2.0, "k1", 64, 0.5, 0.25, 0.18)]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("case", MAP_IMBALANCE, ids=lambda c: f"p{c[0]}-{c[1]}x{c[2]}-lam{c[3]:g}")
+def test_fp16_diff_each_map_has_its_own_bound(device, case):
+    """q1, q2, k1 or k2 16-64x (a power of two: exact) larger than its counterpart of the other map: each
+    map's bounds come from its own q and k norms (base1 for map 1, base2 for map 2) in the forward, dK/dV
+    and dQ kernels; one map's base used for the other's would leave P or dS far past its fp16 scale, so
+    some output or gradient inf (the table above says which case catches what). GQA, Tq < Tk, beta = 0
+    (tau = 0: the small scores of the smaller map stay live)."""
+    power, big, ratio, lam, qk, vo = case
+    inputs, dout = _inputs(generator("fp16-diff-imbalance", case), device, 2, 1, 48, 64, 32, qk, vo, vo)
+    inputs = [t.detach() for t in inputs]
+    which = ("q1", "q2", "k1", "k2").index(big)
+    inputs[which] = inputs[which] * ratio
+    inputs = tuple(t.requires_grad_() for t in inputs)
+    w1, w2 = (threshold_attention_weights(q.detach().double(), k.detach().double(), 0.0, power)
+              for q, k in ((inputs[0], inputs[2]), (inputs[1], inputs[3])))
+    larger, smaller = (w2.max(), w1.max()) if big[1] == "2" else (w1.max(), w2.max())
+    assert larger > ratio**power / 4 * smaller, "the maps' weights must differ by about ratio^p"
+    _assert_finite_and_close(*_run(inputs, dout, 0.0, lam, power, 1.0))
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -114,10 +178,11 @@ def test_fp16_diff_negative_scale_keeps_p_in_range(device):
 @pytest.mark.parametrize("t", [1, 2, 5])
 def test_fp16_diff_negative_beta_short_sequence_keeps_the_padding_rows_in_range(device, t):
     """With beta < 0, -tau grows with the position, and a query tile's padding rows past Tq sit at later
-    positions than any real row: the dK/dV kernel's P bound covers them, so dV stays finite (GQA: the
-    bound takes the group's most negative beta)."""
-    inputs, dout = _inputs(generator("fp16-diff-short-negative-beta", t), device, 2, 1, t, t, 16, 0.05, 0.05, 1.0)
-    _assert_finite_and_close(*_run(inputs, dout, -1.0, 0.5, 2.0, 1.0))
+    positions than any real row: the dK/dV kernel's P bound covers them, so dV stays finite. GQA with beta
+    differing within each group (0.5 and -1, then -1 and 0.5): the bound takes the group's most negative
+    beta, which is not its first head's in group 0 nor its last head's in group 1."""
+    inputs, dout = _inputs(generator("fp16-diff-short-negative-beta", t), device, 4, 2, t, t, 16, 0.05, 0.05, 1.0)
+    _assert_finite_and_close(*_run(inputs, dout, [0.5, -1.0, -1.0, 0.5], 0.5, 2.0, 1.0))
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
