@@ -38,8 +38,8 @@ def _largest(q1, q2, k1, k2, v, dout, beta, lam, power: float, scale: float) -> 
     q1, q2, k1, k2, v, do = (t.detach().double() for t in (q1, q2, k1, k2, v, dout))
     group = q1.shape[1] // k1.shape[1]
     k1, k2, v = (t.repeat_interleave(group, 1) for t in (k1, k2, v))
-    beta = torch.as_tensor(beta, dtype=torch.float64)
-    lam = torch.as_tensor(lam, dtype=torch.float64).reshape(-1, 1, 1)
+    beta = torch.as_tensor(beta, dtype=torch.float64, device=q1.device)
+    lam = torch.as_tensor(lam, dtype=torch.float64, device=q1.device).reshape(-1, 1, 1)
     w1, w2 = (threshold_attention_weights(q, k, beta, power, scale) for q, k in ((q1, k1), (q2, k2)))  # (B, H, Tq, Tk)
     dp = do @ v.transpose(-1, -2)
     # dP p x^(p-1), x = w^(1/p); 0 where w is (for p = 1, w^0 would be 1 there)
@@ -229,8 +229,8 @@ def test_fp16_diff_gqa_bounds_take_every_head_of_the_group(device, power, qk):
     hq, hkv, tq, tk, d = 4, 2, 40, 72, 32
     inputs, dout = _inputs(gen, device, hq, hkv, tq, tk, d, qk, 1e-3, 1e-3)
     q1, q2, k1, k2, v = (t.detach() for t in inputs)
-    rows = torch.linspace(3.0, 1.0, tq, dtype=torch.float64).reshape(1, 1, tq, 1)  # earliest rows largest
-    heads = torch.tensor([1.0, 8.0, 1.0, 8.0], dtype=torch.float64).reshape(1, hq, 1, 1)
+    rows = torch.linspace(3.0, 1.0, tq, dtype=torch.float64, device=device).reshape(1, 1, tq, 1)  # earliest rows largest
+    heads = torch.tensor([1.0, 8.0, 1.0, 8.0], dtype=torch.float64, device=device).reshape(1, hq, 1, 1)
     q1, q2 = ((q.double() * rows * heads).half().requires_grad_() for q in (q1, q2))
     k1, k2 = ((k * 2).requires_grad_() for k in (k1, k2))
     inputs = (q1, q2, k1, k2, v.requires_grad_())
