@@ -8,7 +8,13 @@ dK_m = scale dS_m^T Q_m, dQ_m = scale dS_m K_m, dbeta_h = -sum (dS1 + dS2) gain_
 dbeta and dlambda are reduced on the host from per-row partial sums (no atomics, deterministic).
 
 Tiling, masking, accumulation and fp16 range handling are the single op's (lit_thresh.ops.triton_kernels),
-whose jit helpers these kernels call.
+whose jit helpers these kernels call. fp16 (ROW_SCALE) scales each row of P, dS1, dS2 (forward, dQ: query
+rows; dK/dV: key rows of the transposed tiles) by one power of two fixed before the loop, from bounds on
+both maps: x_m,ij <= base_m,i = |scale| |q_m,i| max_j |k_m,j| + max(-tau_i, 0), so |P_ij| <= base_1^p +
+|lambda| base_2^p <= 2 max(base_1^p, |lambda| base_2^p), |dS1_ij| <= p |dO_i| |v_j| base_1^(p-1) and
+|dS2_ij| <= |lambda| p |dO_i| |v_j| base_2^(p-1) (p >= 1; the dK/dV kernel takes the maxima over the query
+rows and heads that see a key). The row norms of k1, k2 (forward), q1, q2, dO (dK/dV) and k1, k2, v (dQ)
+come from the launchers. p < 1 keeps the per-tile scaling of dS1, dS2 (FP16_RANGE) in the backward.
 """
 
 from __future__ import annotations
@@ -25,12 +31,17 @@ from lit_thresh.ops.backend import triton_interpreting
 from lit_thresh.ops.triton_kernels import (
     _any_live,
     _as_fp32,
-    _dot_acc,
+    _dot_rows,
+    _finite_max,
+    _fp16_exp,
     _gain,
     _load_tile,
+    _log2_grad_bound,
+    _log2_weight_bound,
     _mma,
     _rectify,
     _rectify_grad,
+    _row_norms,
     _store_tile,
 )
 from lit_thresh.ops.triton_launch import (
@@ -41,19 +52,21 @@ from lit_thresh.ops.triton_launch import (
     _power_mode,
     _precision,
 )
+from lit_thresh.ops.triton_launch import _row_norms as _row_norms_fp32  # the torch pre-pass (the jit one is above)
 
 
 @triton.jit
 def _diff_fwd_update(
-    acc, x1, x2, lam, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
+    acc, x1, x2, lam, p_mul, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """acc + (ReLU(x1)^p - lambda ReLU(x2)^p) V for one key tile (V is loaded only here, when needed)."""
+    """acc + (ReLU(x1)^p - lambda ReLU(x2)^p) V for one key tile (V is loaded only here, when needed);
+    P_SCALED: P's rows are multiplied by p_mul (BLOCK_M,) before the cast."""
     v = _load_tile(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
                    offs_n, TK, offs_dv, DV, CHECK_ROWS, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
     p = _rectify(x1, power, POWER_MODE) - lam * _rectify(x2, power, POWER_MODE)  # (BLOCK_M, BLOCK_N)
-    return _dot_acc(p, v, acc, FP16_RANGE, PRECISION, UPCAST)
+    return _dot_rows(p, p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
 
 
 @triton.jit
@@ -62,7 +75,8 @@ def _key_tiles_and_scores(
     D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """The key tiles k1, k2 (BLOCK_N, BLOCK_D) of keys offs_n and the shifted scores x_m = scale q_m k_m^T - tau
-    (BLOCK_M, BLOCK_N) of both maps, 0 on future keys where CAUSAL_MASK (the diagonal blocks)."""
+    (BLOCK_M, BLOCK_N) of both maps, 0 on future keys where CAUSAL_MASK (the diagonal blocks); scale: a
+    scalar or (BLOCK_M, 1) row scales."""
     k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
     k1 = _load_tile(k1_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
     k2 = _load_tile(k2_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
@@ -77,10 +91,10 @@ def _key_tiles_and_scores(
 
 @triton.jit
 def _diff_fwd_inner(
-    acc, q1, q2, tau, lam, pos, k1_base, k2_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    acc, q1, q2, tau, lam, p_mul, pos, k1_base, k2_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
     TK, scale, power, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     SKIP_ZERO: tl.constexpr,
 ):
     offs_d = tl.arange(0, BLOCK_D)
@@ -91,17 +105,25 @@ def _diff_fwd_inner(
                                                stride_kd, TK, scale, D, BLOCK_D, CAUSAL_MASK, PRECISION, UPCAST)
         if SKIP_ZERO:
             if _any_live(x1) | _any_live(x2):
-                acc = _diff_fwd_update(acc, x1, x2, lam, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
-                                       DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+                acc = _diff_fwd_update(acc, x1, x2, lam, p_mul, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
+                                       DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, P_SCALED, PRECISION, UPCAST)
         else:
-            acc = _diff_fwd_update(acc, x1, x2, lam, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
-                                   DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+            acc = _diff_fwd_update(acc, x1, x2, lam, p_mul, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
+                                   DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, P_SCALED, PRECISION, UPCAST)
     return acc
 
 
 @triton.jit
+def _log2_diff_weight_bound(base1, base2, log2_lam, power, POWER_MODE: tl.constexpr):
+    """An upper bound of log2(base1^p + |lambda| base2^p) (the bound of |P|), as 1 + the log2 of the larger
+    term (at most one bit loose); log2_lam = log2 |lambda| (-inf for lambda = 0: the first term alone)."""
+    return 1.0 + tl.maximum(_log2_weight_bound(base1, power, POWER_MODE),
+                            _log2_weight_bound(base2, power, POWER_MODE) + log2_lam)
+
+
+@triton.jit
 def diff_threshold_fwd_kernel(
-    Q1, Q2, K1, K2, V, O, BETA, LAM,
+    Q1, Q2, K1, K2, V, O, BETA, LAM, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -109,12 +131,14 @@ def diff_threshold_fwd_kernel(
     H, GROUP, TQ, TK, scale, power, gain_coef,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     SKIP_ZERO: tl.constexpr = False,
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
-    q1 and q2 share strides, as do k1 and k2 (the launcher makes them so). SKIP_ZERO: skip the PV
-    product of key tiles where both rectified score tiles are all exactly 0."""
+    q1 and q2 share strides, as do k1 and k2 (the launcher makes them so). ROW_SCALE (fp16): P rows
+    scaled into fp16's range by a power of two per row, from the key norms ROW_NORMS (B * H / GROUP, 2, TK)
+    fp32, |k1_j| then |k2_j| (unused otherwise). SKIP_ZERO: skip the PV product of key tiles where both
+    rectified score tiles are all exactly 0."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
@@ -138,13 +162,34 @@ def diff_threshold_fwd_kernel(
     first_row = past + pid_m * BLOCK_M
     n_full = (first_row + 1) // BLOCK_N * BLOCK_N  # keys [0, n_full) are visible to every row
     n_end = tl.minimum(first_row + BLOCK_M, TK)  # no row sees a key at or past n_end
+
+    x_scale = scale
+    p_mul = tau  # unused unless ROW_SCALE with POWER_MODE 0
+    if ROW_SCALE:
+        norms = ROW_NORMS + (b * (H // GROUP) + hk) * 2 * TK  # |k1_j| then |k2_j| of this kv head
+        neg_tau = tl.maximum(-tau, 0.0)
+        base1 = tl.abs(scale) * _row_norms(q1) * _finite_max(norms, 0, n_end) + neg_tau  # (BLOCK_M,) >= every x1 of the row
+        base2 = tl.abs(scale) * _row_norms(q2) * _finite_max(norms + TK, 0, n_end) + neg_tau  # (BLOCK_M,)
+        e = _fp16_exp(_log2_diff_weight_bound(base1, base2, tl.log2(tl.abs(lam)), power, POWER_MODE))  # (BLOCK_M,)
+        if POWER_MODE == 0:
+            p_mul = tl.exp2(-e)
+        else:  # folded into both maps' scores, free: ReLU(x_m 2^(-e/p))^p = ReLU(x_m)^p 2^-e exactly (e even for p = 2)
+            if POWER_MODE == 2:
+                e = 2.0 * tl.ceil(0.5 * e)
+            row_scale = tl.exp2(-e / POWER_MODE)  # (BLOCK_M,)
+            x_scale = (scale * row_scale)[:, None]  # (BLOCK_M, 1)
+            tau = tau * row_scale
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, pos, K1 + kv_off, K2 + kv_off, v_base,
-                          stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, 0, n_full,
-                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
-    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, pos, K1 + kv_off, K2 + kv_off, v_base,
-                          stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, n_full, n_end,
-                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, p_mul, pos, K1 + kv_off, K2 + kv_off, v_base,
+                          stride_kt, stride_kd, stride_vt, stride_vd, TK, x_scale, power, 0, n_full,
+                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, ROW_SCALE and POWER_MODE == 0,
+                          PRECISION, UPCAST, SKIP_ZERO)
+    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, p_mul, pos, K1 + kv_off, K2 + kv_off, v_base,
+                          stride_kt, stride_kd, stride_vt, stride_vd, TK, x_scale, power, n_full, n_end,
+                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, ROW_SCALE and POWER_MODE == 0,
+                          PRECISION, UPCAST, SKIP_ZERO)
+    if ROW_SCALE:
+        acc = acc * tl.exp2(e)[:, None]
 
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od
     _store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, TQ, offs_dv, DV, DV != BLOCK_DV)
@@ -152,28 +197,30 @@ def diff_threshold_fwd_kernel(
 
 @triton.jit
 def _diff_bwd_dkv_update(
-    dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power, p_mul, ds1_mul, ds2_mul,
+    POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    """dK1, dK2, dV accumulators after one (key tile, query tile) pair with transposed scores (BLOCK_N, BLOCK_M)."""
+    """dK1, dK2, dV accumulators after one (key tile, query tile) pair with transposed scores (BLOCK_N, BLOCK_M);
+    with ROW_SCALE, the rows of P^T, dS1^T and dS2^T are multiplied by p_mul, ds1_mul and ds2_mul (BLOCK_N,) first."""
     p1_t = _rectify(x1_t, power, POWER_MODE)
     p2_t = _rectify(x2_t, power, POWER_MODE)
-    dv = _dot_acc(p1_t - lam * p2_t, do, dv, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
+    dv = _dot_rows(p1_t - lam * p2_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
     dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
     ds1_t = dp_t * _rectify_grad(x1_t, p1_t, power, POWER_MODE)
     ds2_t = -lam * dp_t * _rectify_grad(x2_t, p2_t, power, POWER_MODE)
-    dk1 = _dot_acc(ds1_t, q1, dk1, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
-    dk2 = _dot_acc(ds2_t, q2, dk2, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
+    dk1 = _dot_rows(ds1_t, ds1_mul, q1, dk1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
+    dk2 = _dot_rows(ds2_t, ds2_mul, q2, dk2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
     return dk1, dk2, dv
 
 
 @triton.jit
 def _diff_bwd_dkv_inner(
     dk1, dk2, dv, k1, k2, v, offs_n, q1_base, q2_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, lam, past, TQ, scale, power, gain_coef, lo, hi,
+    beta, lam, past, TQ, scale, power, gain_coef, p_mul, ds1_mul, ds2_mul, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP_ZERO: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr,
 ):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -195,16 +242,18 @@ def _diff_bwd_dkv_inner(
         if SKIP_ZERO:
             if _any_live(x1_t) | _any_live(x2_t):
                 dk1, dk2, dv = _diff_bwd_dkv_update(dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
-                                                    POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+                                                    p_mul, ds1_mul, ds2_mul,
+                                                    POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
         else:
             dk1, dk2, dv = _diff_bwd_dkv_update(dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
-                                                POWER_MODE, FP16_RANGE, PRECISION, UPCAST)
+                                                p_mul, ds1_mul, ds2_mul,
+                                                POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
     return dk1, dk2, dv
 
 
 @triton.jit
 def diff_threshold_bwd_dkv_kernel(
-    Q1, Q2, K1, K2, V, dO, dK1, dK2, dV, BETA, LAM,
+    Q1, Q2, K1, K2, V, dO, dK1, dK2, dV, BETA, LAM, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -214,12 +263,15 @@ def diff_threshold_bwd_dkv_kernel(
     HKV, GROUP, TQ, TK, scale, power, gain_coef,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP_ZERO: tl.constexpr = False,
+    POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr = False,
 ):
     """One program: dK1, dK2, dV of BLOCK_N keys of one (batch, kv head), summed over the GROUP query heads
-    that share them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). SKIP_ZERO: skip the work after the
-    score products of query tiles where both rectified score tiles are all exactly 0."""
+    that share them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). ROW_SCALE (fp16, p >= 1): the rows of
+    P^T, dS1^T and dS2^T scaled into fp16's range by a power of two per key each, from the norms ROW_NORMS
+    (B * HKV * GROUP, 3, TQ) fp32, |q1_i|, |q2_i| then |dO_i| (unused otherwise); FP16_RANGE (fp16, p < 1):
+    per-tile scaling instead. SKIP_ZERO: skip the work after the score products of query tiles where both
+    rectified score tiles are all exactly 0."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -240,6 +292,37 @@ def diff_threshold_bwd_dkv_kernel(
     # query rows m see the block when pos_m >= first_key, all of it when pos_m >= first_key + BLOCK_N - 1
     m_lo = tl.maximum(first_key - past, 0) // BLOCK_M * BLOCK_M
     m_full = tl.minimum(tl.cdiv(tl.maximum(first_key + BLOCK_N - 1 - past, 0), BLOCK_M) * BLOCK_M, TQ)
+
+    p_mul = scale  # unused unless ROW_SCALE
+    ds1_mul = scale
+    ds2_mul = scale
+    if ROW_SCALE:  # bounds over the rows of every query head of the group that see these keys
+        q1_max = tl.zeros((), dtype=tl.float32)
+        q2_max = tl.zeros((), dtype=tl.float32)
+        do_max = tl.zeros((), dtype=tl.float32)
+        neg_beta = tl.zeros((), dtype=tl.float32)
+        lam_max = tl.zeros((), dtype=tl.float32)
+        m_first = tl.maximum(first_key - past, 0)  # the first query row that sees these keys
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            norms = ROW_NORMS + (b * HKV * GROUP + h) * 3 * TQ  # |q1_i|, |q2_i| then |dO_i| of head h
+            q1_max = tl.maximum(q1_max, _finite_max(norms, m_first, TQ))
+            q2_max = tl.maximum(q2_max, _finite_max(norms + TQ, m_first, TQ))
+            do_max = tl.maximum(do_max, _finite_max(norms + 2 * TQ, m_first, TQ))
+            neg_beta = tl.maximum(neg_beta, -tl.load(BETA + h))
+            lam_max = tl.maximum(lam_max, tl.abs(tl.load(LAM + h)))
+        # (1,): -tau is largest at the last position a query tile reaches, padding rows past TQ included
+        neg_tau = neg_beta * _gain(tl.full((1,), TK - 1 + BLOCK_M, tl.int32), gain_coef)
+        base1 = tl.abs(scale) * q1_max * _row_norms(k1) + neg_tau  # (BLOCK_N,) >= every x1 of the key
+        base2 = tl.abs(scale) * q2_max * _row_norms(k2) + neg_tau  # (BLOCK_N,) >= every x2 of the key
+        log2_lam = tl.log2(lam_max)
+        log2_dp = tl.log2(do_max) + tl.log2(_row_norms(v))  # (BLOCK_N,) >= log2 |dP_ij|
+        p_exp = _fp16_exp(_log2_diff_weight_bound(base1, base2, log2_lam, power, POWER_MODE))  # (BLOCK_N,)
+        ds1_exp = _fp16_exp(_log2_grad_bound(base1, log2_dp, power, POWER_MODE))  # (BLOCK_N,)
+        ds2_exp = _fp16_exp(log2_lam + _log2_grad_bound(base2, log2_dp, power, POWER_MODE))  # (BLOCK_N,)
+        p_mul = tl.exp2(-p_exp)
+        ds1_mul = tl.exp2(-ds1_exp)
+        ds2_mul = tl.exp2(-ds2_exp)
     dk1 = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dk2 = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
@@ -251,12 +334,16 @@ def diff_threshold_bwd_dkv_kernel(
         do_base = dO + b * stride_dob + h * stride_doh
         dk1, dk2, dv = _diff_bwd_dkv_inner(
             dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
-            beta, lam, past, TQ, scale, power, gain_coef, m_lo, m_full,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+            beta, lam, past, TQ, scale, power, gain_coef, p_mul, ds1_mul, ds2_mul, m_lo, m_full,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
         dk1, dk2, dv = _diff_bwd_dkv_inner(
             dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
-            beta, lam, past, TQ, scale, power, gain_coef, m_full, TQ,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+            beta, lam, past, TQ, scale, power, gain_coef, p_mul, ds1_mul, ds2_mul, m_full, TQ,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+    if ROW_SCALE:
+        dk1 = dk1 * tl.exp2(ds1_exp)[:, None]
+        dk2 = dk2 * tl.exp2(ds2_exp)[:, None]
+        dv = dv * tl.exp2(p_exp)[:, None]
 
     dk_offs = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
     dv_ptrs = dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
@@ -267,21 +354,23 @@ def diff_threshold_bwd_dkv_kernel(
 
 @triton.jit
 def _diff_bwd_dq_update(
-    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
+    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, offs_n, offs_dv, v_base, stride_vt,
+    stride_vd, TK, power,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr,
+    POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr,
 ):
     """dQ1, dQ2 accumulators and per-row dbeta / dlambda sums after one (query tile, key tile) pair
-    with scores x1, x2 (BLOCK_M, BLOCK_N); V is loaded only here, when needed."""
+    with scores x1, x2 (BLOCK_M, BLOCK_N); V is loaded only here, when needed. With ROW_SCALE, the rows
+    of dS1 and dS2 are multiplied by ds1_mul and ds2_mul (BLOCK_M,) before the cast (not in the sums)."""
     v = _load_tile(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
                    offs_n, TK, offs_dv, DV, CHECK_ROWS, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
     dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
     p2 = _rectify(x2, power, POWER_MODE)
     ds1 = dp * _rectify_grad(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)
     ds2 = -lam * dp * _rectify_grad(x2, p2, power, POWER_MODE)
-    dq1 = _dot_acc(ds1, k1, dq1, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
-    dq2 = _dot_acc(ds2, k2, dq2, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    dq1 = _dot_rows(ds1, ds1_mul, k1, dq1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    dq2 = _dot_rows(ds2, ds2_mul, k2, dq2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
     if BETA_GRAD:
         ds_sum += tl.sum(ds1 + ds2, axis=1)
     if LAM_GRAD:
@@ -291,11 +380,12 @@ def _diff_bwd_dq_update(
 
 @triton.jit
 def _diff_bwd_dq_inner(
-    dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, pos, k1_base, k2_base, v_base,
+    dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_base, k2_base, v_base,
     stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr,
+    SKIP_ZERO: tl.constexpr,
 ):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -306,18 +396,20 @@ def _diff_bwd_dq_inner(
         if SKIP_ZERO:
             if _any_live(x1) | _any_live(x2):
                 dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
-                    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, offs_n, offs_dv, v_base, stride_vt, stride_vd,
-                    TK, power, DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD)
+                    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, offs_n, offs_dv, v_base,
+                    stride_vt, stride_vd, TK, power, DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE, FP16_RANGE,
+                    PRECISION, UPCAST, BETA_GRAD, LAM_GRAD)
         else:
             dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
-                dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, offs_n, offs_dv, v_base, stride_vt, stride_vd,
-                TK, power, DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD)
+                dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, offs_n, offs_dv, v_base,
+                stride_vt, stride_vd, TK, power, DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE, FP16_RANGE,
+                PRECISION, UPCAST, BETA_GRAD, LAM_GRAD)
     return dq1, dq2, ds_sum, dlam_sum
 
 
 @triton.jit
 def diff_threshold_bwd_dq_kernel(
-    Q1, Q2, K1, K2, V, dO, dQ1, dQ2, DBETA_ROWS, DLAM_ROWS, BETA, LAM,
+    Q1, Q2, K1, K2, V, dO, dQ1, dQ2, DBETA_ROWS, DLAM_ROWS, BETA, LAM, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -326,12 +418,15 @@ def diff_threshold_bwd_dq_kernel(
     H, GROUP, TQ, TK, scale, power, gain_coef,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POWER_MODE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False,
+    POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False,
 ):
     """One program: dQ1, dQ2 of BLOCK_M queries of one (batch, head), and their per-row terms
     -gain_i sum_j (dS1 + dS2)_ij into DBETA_ROWS and -sum_j dP_ij ReLU(x2_ij)^p into DLAM_ROWS
-    (both (B * H, TQ) fp32, summed on the host). Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    (both (B * H, TQ) fp32, summed on the host; from unscaled dS1, dS2, dP). Grid (cdiv(TQ, BLOCK_M), B * H).
+    ROW_SCALE (fp16, p >= 1): dS1 and dS2 rows scaled into fp16's range by a power of two per row each,
+    from the norms ROW_NORMS (B * H / GROUP, 3, TK) fp32, |k1_j|, |k2_j| then |v_j| (unused otherwise);
+    FP16_RANGE (fp16, p < 1): per-tile scaling instead."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -358,18 +453,36 @@ def diff_threshold_bwd_dq_kernel(
     first_row = past + pid_m * BLOCK_M
     n_full = (first_row + 1) // BLOCK_N * BLOCK_N
     n_end = tl.minimum(first_row + BLOCK_M, TK)
+
+    ds1_mul = tau  # unused unless ROW_SCALE
+    ds2_mul = tau
+    if ROW_SCALE:
+        norms = ROW_NORMS + (b * (H // GROUP) + hk) * 3 * TK  # |k1_j|, |k2_j| then |v_j| of this kv head
+        neg_tau = tl.maximum(-tau, 0.0)
+        base1 = tl.abs(scale) * _row_norms(q1) * _finite_max(norms, 0, n_end) + neg_tau  # (BLOCK_M,) >= every x1 of the row
+        base2 = tl.abs(scale) * _row_norms(q2) * _finite_max(norms + TK, 0, n_end) + neg_tau  # (BLOCK_M,)
+        log2_dp = tl.log2(_row_norms(do)) + tl.log2(_finite_max(norms + 2 * TK, 0, n_end))  # (BLOCK_M,) >= log2 |dP_ij|
+        ds1_exp = _fp16_exp(_log2_grad_bound(base1, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
+        ds2_exp = _fp16_exp(tl.log2(tl.abs(lam)) + _log2_grad_bound(base2, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
+        ds1_mul = tl.exp2(-ds1_exp)
+        ds2_mul = tl.exp2(-ds2_exp)
     dq1 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq2 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     dlam_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_inner(
-        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, pos, K1 + kv_off, K2 + kv_off, v_base,
+        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, K1 + kv_off, K2 + kv_off, v_base,
         stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, 0, n_full,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, SKIP_ZERO)
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST,
+        BETA_GRAD, LAM_GRAD, SKIP_ZERO)
     dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_inner(
-        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, pos, K1 + kv_off, K2 + kv_off, v_base,
+        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, K1 + kv_off, K2 + kv_off, v_base,
         stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, n_full, n_end,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, SKIP_ZERO)
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST,
+        BETA_GRAD, LAM_GRAD, SKIP_ZERO)
+    if ROW_SCALE:
+        dq1 = dq1 * tl.exp2(ds1_exp)[:, None]
+        dq2 = dq2 * tl.exp2(ds2_exp)[:, None]
 
     dq_offs = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
     _store_tile(dQ1 + dq_offs, (dq1 * scale).to(dQ1.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
@@ -386,8 +499,9 @@ def default_diff_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
     fastest config per kernel of an H200 sweep at T = 4096 (recorded in
     lit_thresh/ops/PERF.md, v3; each kernel timed with the others at the previous default; the combination,
     timed afterwards, is 1.03-1.32x faster than two single calls forward+backward, but 0.63-0.81x at fp16
-    D = 128, whose backward keeps the per-tile fp16 rescaling). fp32 and D > 128: small-tile starting
-    points, not tuned. Small tiles under the interpreter."""
+    D = 128, whose backward then kept the per-tile fp16 rescaling; the fp16 tiles were picked for that path
+    and not re-swept since the row scales, PERF.md v4). fp32 and D > 128: small-tile starting points, not
+    tuned. Small tiles under the interpreter."""
     return _default_diff_configs(head_dim, dtype, triton_interpreting())
 
 
@@ -433,14 +547,18 @@ def match_strides(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     return a.contiguous(), b.contiguous()
 
 
-def _kernel_meta(cfg: BlockConfig, q: torch.Tensor, d: int, dv: int, power: float, **flags: bool) -> Mapping:
+def _kernel_meta(cfg: BlockConfig, q: torch.Tensor, d: int, dv: int, power: float, forward: bool, **flags: bool) -> Mapping:
     """Every constexpr and launch option of one kernel launch (cached, read-only: host time per call matters)."""
-    return _meta(cfg, d, dv, power, q.dtype, _precision(q.dtype), triton_interpreting(), tuple(flags.items()))
+    return _meta(cfg, d, dv, power, q.dtype, _precision(q.dtype), triton_interpreting(), forward, tuple(flags.items()))
 
 
 @functools.lru_cache(maxsize=256)
 def _meta(cfg: BlockConfig, d: int, dv: int, power: float, dtype: torch.dtype, precision: str, interpreting: bool,
-          flags: tuple[tuple[str, bool], ...]) -> Mapping:
+          forward: bool, flags: tuple[tuple[str, bool], ...]) -> Mapping:
+    """fp16 scales P (forward) and P, dS1, dS2 (backward) rows by fixed powers of two (ROW_SCALE), except dS
+    for p < 1, which has no bound: the backward then scales per tile (FP16_RANGE), as the single op does."""
+    fp16 = dtype == torch.float16
+    fp16_flags = dict(ROW_SCALE=fp16) if forward else dict(ROW_SCALE=fp16 and power >= 1.0, FP16_RANGE=fp16 and power < 1.0)
     return MappingProxyType(dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -452,11 +570,16 @@ def _meta(cfg: BlockConfig, d: int, dv: int, power: float, dtype: torch.dtype, p
         BLOCK_D=_block_dim(d),
         BLOCK_DV=_block_dim(dv),
         POWER_MODE=_power_mode(power),
-        FP16_RANGE=dtype == torch.float16,
         PRECISION=precision,
         UPCAST=dtype == torch.bfloat16 and interpreting,
+        **fp16_flags,
         **dict(flags),
     ))
+
+
+def _stacked_norms(*tensors: torch.Tensor) -> torch.Tensor:
+    """The fp32 row norms of (B, H, T, D') tensors of one (B, H, T), stacked: (B, H, len(tensors), T) contiguous."""
+    return torch.stack([_row_norms_fp32(t) for t in tensors], dim=2)
 
 
 def diff_triton_forward(
@@ -479,11 +602,13 @@ def diff_triton_forward(
     q1, q2 = match_strides(q1, q2)
     k1, k2 = match_strides(k1, k2)
     cfg = (configs or default_diff_configs(max(d, dv), q1.dtype)).fwd
+    meta = _kernel_meta(cfg, q1, d, dv, power, True)
+    k_norms = _stacked_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
     diff_threshold_fwd_kernel[(-(-tq // cfg.block_m), b * hq)](  # ceil-division in plain ints: no triton.cdiv
-        q1, q2, k1, k2, v, out, beta, lam,
+        q1, q2, k1, k2, v, out, beta, lam, k_norms,
         *q1.stride(), *k1.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
-        **_kernel_meta(cfg, q1, d, dv, power),
+        **meta,
     )
     return out
 
@@ -514,10 +639,16 @@ def diff_triton_backward(
     dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
 
     cfg = cfgs.bwd_dkv
+    meta = _kernel_meta(cfg, q1, d, dv, power, False)
+    if meta["ROW_SCALE"]:  # the norms the fp16 row scales are bounded by; else unused (beta is passed)
+        qdo_norms = _stacked_norms(q1, q2, dout)  # (B, Hq, 3, Tq)
+        kv_norms = _stacked_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
+    else:
+        qdo_norms = kv_norms = beta
     diff_threshold_bwd_dkv_kernel[(-(-tk // cfg.block_n), b * hkv)](
-        q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, lam,
+        q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, lam, qdo_norms,
         *q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(),
-        hkv, hq // hkv, *scalars, **_kernel_meta(cfg, q1, d, dv, power),
+        hkv, hq // hkv, *scalars, **meta,
     )
 
     cfg = cfgs.bwd_dq
@@ -525,9 +656,9 @@ def diff_triton_backward(
         torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need else dq1 for need in (need_dbeta, need_dlam)
     )
     diff_threshold_bwd_dq_kernel[(-(-tq // cfg.block_m), b * hq)](
-        q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, lam,
+        q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, lam, kv_norms,
         *q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(),
-        hq, hq // hkv, *scalars, **_kernel_meta(cfg, q1, d, dv, power, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam),
+        hq, hq // hkv, *scalars, **_kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam),
     )
     dbeta = dbeta_rows.sum(dim=(0, 2)).to(beta.dtype) if need_dbeta else None  # (Hq,)
     dlam = dlam_rows.sum(dim=(0, 2)).to(lam.dtype) if need_dlam else None  # (Hq,)

@@ -407,8 +407,9 @@ def test_default_configs_follow_the_interpreter_flag(monkeypatch):
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects: compile each kernel for sm_90 down to a cubin, in a
     process without TRITON_INTERPRET (no GPU needed), with its default tiles at head dims where they are
-    largest (the shared memory must fit an H200's 227 KiB). One dtype per kernel, fp64 float scalars as
-    torch.compile passes them."""
+    largest (the shared memory must fit an H200's 227 KiB), with the constexprs the launchers pass. fp16:
+    every kernel row-scaled (ROW_SCALE) in each power mode, and the backward's per-tile path of p < 1
+    (FP16_RANGE). fp64 float scalars as torch.compile passes them."""
     script = textwrap.dedent(
         """
         import torch, triton
@@ -416,29 +417,33 @@ def test_kernels_compile_for_hopper(tmp_path):
         from triton.compiler import ASTSource
         from lit_thresh.ops import triton_differential as td
 
-        cases = [("diff_threshold_fwd_kernel", "fwd", 8, "fp16", torch.float16, 256, 256, 0, False),
-                 ("diff_threshold_bwd_dkv_kernel", "bwd_dkv", 11, "bf16", torch.bfloat16, 64, 128, 2, True),
-                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 12, "fp32", torch.float32, 200, 72, 1, False),
-                 ("diff_threshold_fwd_kernel", "fwd", 8, "bf16", torch.bfloat16, 128, 128, 2, False),
-                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 12, "fp16", torch.float16, 128, 128, 2, False)]
-        for name, which, n_ptr, dtype, torch_dtype, d, dv, power_mode, skip in cases:
+        cases = [("diff_threshold_fwd_kernel", "fwd", 9, "fp16", torch.float16, 256, 256, 1.5, False),
+                 ("diff_threshold_bwd_dkv_kernel", "bwd_dkv", 12, "bf16", torch.bfloat16, 64, 128, 2.0, True),
+                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 13, "fp32", torch.float32, 200, 72, 1.0, False),
+                 ("diff_threshold_fwd_kernel", "fwd", 9, "bf16", torch.bfloat16, 128, 128, 2.0, False),
+                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 13, "fp16", torch.float16, 128, 128, 2.0, False)]
+        cases += [("diff_threshold_fwd_kernel", "fwd", 9, "fp16", torch.float16, 128, 128, p, False) for p in (1.0, 2.0, 0.5)]
+        cases += [("diff_threshold_bwd_dkv_kernel", "bwd_dkv", 12, "fp16", torch.float16, 128, 128, p, False)
+                  for p in (1.0, 2.0, 1.5, 0.5)]
+        cases += [("diff_threshold_bwd_dq_kernel", "bwd_dq", 13, "fp16", torch.float16, 128, 128, p, False)
+                  for p in (1.0, 1.5, 0.5)]
+        for name, which, n_ptr, dtype, torch_dtype, d, dv, power, skip in cases:
             kernel, cfg = getattr(td, name), getattr(td.default_diff_configs(max(d, dv), torch_dtype), which)
-            consts = dict(D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
-                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, POWER_MODE=power_mode, FP16_RANGE=dtype == "fp16",
-                          PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=skip)
-            if which == "bwd_dq":
-                consts.update(BETA_GRAD=True, LAM_GRAD=True)
+            flags = (("BETA_GRAD", True), ("LAM_GRAD", True)) if which == "bwd_dq" else ()
+            meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
+                            torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)
+            consts = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
             sig = {}
             for i, arg in enumerate(kernel.arg_names):
                 if arg in consts:
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
-                    sig[arg] = "*fp32" if arg in ("BETA", "LAM", "DBETA_ROWS", "DLAM_ROWS") else f"*{dtype}"
+                    sig[arg] = "*fp32" if arg in ("BETA", "LAM", "DBETA_ROWS", "DLAM_ROWS", "ROW_NORMS") else f"*{dtype}"
                 else:
                     sig[arg] = "fp64" if arg in ("scale", "power", "gain_coef") else "i32"
             compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-            assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
+            assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)
         print("compiled")
         """
     )
