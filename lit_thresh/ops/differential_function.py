@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from lit_thresh.ops.chunked_differential import chunked_differential_backward, chunked_differential_forward
-from lit_thresh.ops.function import _output_like
+from lit_thresh.ops.function import _output_like, records_nothing
 
 
 def _laid_out_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,8 @@ def differential_threshold_attention_apply(
     backend: str,
 ) -> torch.Tensor:
     """The op on checked inputs: the custom op while tracing (torch.compile, export, fake tensors), else the
-    same code as an autograd.Function. For the Triton kernels (one set of strides per q or k pair) a pair
+    same code as an autograd.Function, or with no gradient to record (function.records_nothing) the forward
+    alone. For the Triton kernels (one set of strides per q or k pair) a pair
     with different layouts is made to share one here, once, by copying one of the two: forward and backward
     then read the same tensors (gradients reach the copied input through the copy)."""
     if backend == "triton":
@@ -143,5 +144,7 @@ def differential_threshold_attention_apply(
         q1, q2 = match_strides(q1, q2)
         k1, k2 = match_strides(k1, k2)
     if type(q1) is torch.Tensor and not torch.compiler.is_compiling():
+        if records_nothing(q1, q2, k1, k2, v, beta, lam):
+            return _forward(q1, q2, k1, k2, v, beta, lam, power, scale, backend)  # no autograd node
         return _EagerDifferentialThresholdAttention.apply(q1, q2, k1, k2, v, beta, lam, power, scale, backend)
     return differential_threshold_attention_op(q1, q2, k1, k2, v, beta, lam, power, scale, backend)

@@ -116,6 +116,13 @@ class _EagerThresholdAttention(torch.autograd.Function):
         return _grads(ctx, dout, _backward)
 
 
+def records_nothing(*inputs: torch.Tensor) -> bool:
+    """Whether an eager call on `inputs` has no gradient to record: grad mode off or no input requiring
+    one, and no forward-mode tangent (those still reach the autograd.Function, which refuses them)."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return not needs_grad and all(forward_ad.unpack_dual(t).tangent is None for t in inputs)
+
+
 def threshold_attention_apply(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float, scale: float, backend: str
 ) -> torch.Tensor:
@@ -123,8 +130,7 @@ def threshold_attention_apply(
     else the same code as an autograd.Function, or with no gradient to record (no_grad, inference,
     no input requiring one, no forward-mode tangent) the forward alone."""
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or beta.requires_grad)
-        if not needs_grad and all(forward_ad.unpack_dual(t).tangent is None for t in (q, k, v, beta)):
-            return _forward(q, k, v, beta, power, scale, backend)  # nothing to record: no autograd node
+        if records_nothing(q, k, v, beta):
+            return _forward(q, k, v, beta, power, scale, backend)  # no autograd node
         return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend)
     return threshold_attention_op(q, k, v, beta, power, scale, backend)

@@ -1,5 +1,6 @@
-"""The eager call path (function.threshold_attention_apply): an autograd node only when a gradient can be
-asked for, the forward alone otherwise, with the same result; forward-mode AD is refused as before."""
+"""The eager call paths (function.threshold_attention_apply, differential_function's apply): an autograd
+node only when a gradient can be asked for, the forward alone otherwise, with the same result; forward-mode
+AD is refused as before."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from lit_thresh.ops import threshold_attention
+from lit_thresh.ops import differential_function, differential_threshold_attention, function, threshold_attention
 from lit_thresh.ops.reference import threshold_attention_reference
 from tests.ops.helpers import TOLERANCE, generator, randn, rel_err
 
@@ -50,3 +51,59 @@ def test_forward_mode_tangents_are_refused_not_dropped():
         dual = fwAD.make_dual(q, torch.ones_like(q))
         with pytest.raises(NotImplementedError, match="jvp"):
             threshold_attention(dual, k, v, beta, 2.0)
+
+
+def _diff_inputs(requires_grad: bool):
+    gen = generator("eager-diff", requires_grad)
+    q1, q2, k1, k2, v = (randn(gen, 1, 2, 40, 16).requires_grad_(requires_grad) for _ in range(5))
+    return q1, q2, k1, k2, v, randn(gen, 2, scale=0.3), randn(gen, 2, scale=0.5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_differential_no_grad_calls_record_no_node_and_give_the_same_output(backend):
+    *qkv, beta, lam = _diff_inputs(True)
+    with_graph = differential_threshold_attention(*qkv, beta, lam, 2.0, backend=backend)
+    with torch.no_grad():
+        no_grad = differential_threshold_attention(*qkv, beta, lam, 2.0, backend=backend)
+    detached = differential_threshold_attention(*(t.detach() for t in qkv), beta, lam, 2.0, backend=backend)
+    assert with_graph.grad_fn is not None
+    assert no_grad.grad_fn is None and detached.grad_fn is None and not detached.requires_grad
+    torch.testing.assert_close(no_grad, with_graph.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(detached, with_graph.detach(), rtol=0, atol=0)
+    q1, q2, k1, k2, v = (t.detach().double() for t in qkv)
+    ref = threshold_attention_reference(q1, k1, v, beta.double(), 2.0) - lam.double().reshape(-1, 1, 1) * (
+        threshold_attention_reference(q2, k2, v, beta.double(), 2.0))
+    assert rel_err(detached, ref) < TOLERANCE[torch.float32]
+
+
+def test_differential_lambda_that_requires_grad_alone_gets_its_gradient_and_tangents_are_refused():
+    *qkv, beta, lam = _diff_inputs(False)
+    lam.requires_grad_()
+    (dlam,) = torch.autograd.grad(differential_threshold_attention(*qkv, beta, lam, 2.0).sum(), lam)
+    lam64 = lam.detach().double().requires_grad_()
+    q1, q2, k1, k2, v = (t.double() for t in qkv)
+    ref = threshold_attention_reference(q1, k1, v, beta.double(), 2.0) - lam64.reshape(-1, 1, 1) * (
+        threshold_attention_reference(q2, k2, v, beta.double(), 2.0))
+    (want,) = torch.autograd.grad(ref.sum(), lam64)
+    assert rel_err(dlam, want) < TOLERANCE[torch.float32]
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(qkv[0], torch.ones_like(qkv[0]))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            differential_threshold_attention(dual, *qkv[1:], beta, lam.detach(), 2.0)
+
+
+@pytest.mark.parametrize("differential", [False, True])
+def test_calls_with_nothing_to_record_skip_the_autograd_function(monkeypatch, differential):
+    """No grad mode or no input requiring grad: the forward alone, never the autograd.Function."""
+    module, name = (differential_function, "_EagerDifferentialThresholdAttention") if differential else (
+        function, "_EagerThresholdAttention")
+
+    def refuse(*args):
+        raise AssertionError("the autograd.Function ran for a call with nothing to record")
+
+    monkeypatch.setattr(getattr(module, name), "apply", refuse)
+    op = differential_threshold_attention if differential else threshold_attention
+    inputs = _diff_inputs(False) if differential else _inputs(False)
+    assert op(*inputs, 2.0).grad_fn is None
+    with torch.no_grad():
+        assert op(*inputs, 2.0).grad_fn is None
