@@ -5,6 +5,7 @@ tested, --report_only, and the results read back from a resumed run's events wit
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,48 @@ def test_a_killed_fit_resumes_from_its_last_checkpoint_and_the_best_of_two_is_te
     assert len(kept) == 2 and state.best_checkpoint(run_dir) in kept  # save_top_k 2: the state's best is tested
     assert f"--ckpt_path={state.best_checkpoint(run_dir)}" in (run_dir / "test.log").read_text()
     assert "test/acc" in result["metrics"] and "best/diag/sink_mass" in result["metrics"]
+
+
+def test_a_run_out_of_gpu_memory_while_sharing_its_gpu_runs_again_alone(tmp_path, capsys, monkeypatch):
+    """4 runs, 2 at a time on one GPU: threshold/seed0 runs out of memory on its first fit; it is no failure
+    but runs again after the others. Run alone, the same error is a failure like any other."""
+    calls: list = []
+    fit = fake_fit({"val/acc": 0.5}, calls)
+    oom_left = {"threshold/seed0": 1}
+
+    def launch(subcommand, args, log, run, env, prefix):
+        if oom_left.get(run, 0) > 0:
+            oom_left[run] -= 1
+            calls.append((subcommand, run, env["CUDA_VISIBLE_DEVICES"]))
+            with log.open("a") as out:
+                out.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+            raise runner.RunFailed(f"run {run}: `lit_thresh {subcommand}` exited with code 1; see {log}")
+        fit(subcommand, args, log, run, env, prefix)
+
+    monkeypatch.setattr(runner, "launch", launch)
+    monkeypatch.setattr(runner, "visible_gpus", lambda: ["0"])
+    config = ["--config", str(write_comparison(tmp_path)), "--root", str(tmp_path / "out")]
+    compare.main([*config, "--runs_per_device", "2"])
+    order = [call[1] for call in calls]
+    assert sorted(order) == sorted(["softmax/seed0", "softmax/seed1", "threshold/seed1"] + ["threshold/seed0"] * 2)
+    assert order[-1] == "threshold/seed0" and calls[order.index("threshold/seed0")][2] == "0"
+    assert "[threshold/seed0] out of GPU memory with other runs on its GPU: it runs again alone" in capsys.readouterr().out
+    assert (tmp_path / "out" / "threshold" / "seed0" / "results.json").is_file()
+
+    # alone on its GPU: a failure, named as any other
+    shutil.rmtree(tmp_path / "out" / "threshold" / "seed0")
+    oom_left["threshold/seed0"] = 1
+    with pytest.raises(SystemExit, match=r"threshold/seed0: `lit_thresh fit` exited with code 1"):
+        compare.main([*config, "--runs_per_device", "1"])
+
+
+def test_out_of_memory_counts_only_in_what_the_logs_got_since(tmp_path):
+    """An out-of-memory line that an earlier attempt left in a log does not make a later failure one."""
+    (tmp_path / "fit.log").write_text("torch.OutOfMemoryError: CUDA out of memory.\n")
+    sizes = runner._log_sizes(tmp_path)
+    assert sizes == {"fit.log": 44, "test.log": 0} and not runner._ran_out_of_memory(tmp_path, sizes)
+    with (tmp_path / "fit.log").open("a") as log:
+        log.write("ValueError: something else\n")
+    assert not runner._ran_out_of_memory(tmp_path, sizes)
+    (tmp_path / "test.log").write_text("RuntimeError: CUDA out of memory. Tried to allocate 1 GiB\n")
+    assert runner._ran_out_of_memory(tmp_path, sizes)

@@ -5,7 +5,8 @@ A run is finished once its ``results.json`` exists; finished runs made with the 
 now are skipped. An unfinished run started with it resumes from its ``last.ckpt``; any other folder of a
 run to run is kept as ``<folder>.old-N`` and the run starts over (lit_thresh.compare.state, which also
 holds the locks that keep a second compare off a live run). A failing run stops the comparison (no new
-run starts, the running ones finish) unless ``--keep_going``. Ctrl-C terminates every run (Interrupted).
+run starts, the running ones finish) unless ``--keep_going``; one that ran out of memory on a GPU it shared
+runs again alone after the others. Ctrl-C terminates every run (Interrupted).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from lit_thresh.compare.state import (
 )
 
 STOP_TIMEOUT_S = 30  # after SIGTERM, how long a run may take to stop before SIGKILL
+OUT_OF_MEMORY = (b"torch.OutOfMemoryError", b"CUDA out of memory")  # what a run's log says when its GPU ran out
+LOGS = ("fit.log", "test.log")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -270,16 +273,36 @@ def device_slots(runs_per_device: int, devices_per_run: int) -> list[dict[str, s
     return [{"CUDA_VISIBLE_DEVICES": ",".join(group)} for group in groups for _ in range(runs_per_device)]
 
 
+def _log_sizes(run_dir: Path) -> dict[str, int]:
+    """The sizes of a run's logs now (they are appended to by each attempt)."""
+    return {name: (run_dir / name).stat().st_size if (run_dir / name).is_file() else 0 for name in LOGS}
+
+
+def _ran_out_of_memory(run_dir: Path, sizes: dict[str, int]) -> bool:
+    """Whether what the run's logs got past `sizes` reports CUDA out-of-memory."""
+    for name, size in sizes.items():
+        if (run_dir / name).is_file():
+            with (run_dir / name).open("rb") as log:
+                log.seek(size)
+                written = log.read()
+            if any(marker in written for marker in OUT_OF_MEMORY):
+                return True
+    return False
+
+
 def run_all(
     cfg: Namespace, runs: Sequence[Run], check: Callable[[Run, dict], None], slots: Sequence[dict[str, str]]
 ) -> tuple[dict[Run, dict], dict[Run, str]]:
     """Every run not finished yet, one per slot at once (slots: each one's environment, device_slots);
     check(run, results) after each. The first failure (RunFailed, or an error check raises) starts no
     new run, lets the running ones finish and is raised; with ``cfg.keep_going`` a failing run is only
-    recorded. Ctrl-C terminates the runs and raises Interrupted. Returns the finished runs' results and
-    the failed runs' errors, in run order."""
+    recorded. A run that ran out of GPU memory while sharing its GPU is no failure: once the others are
+    done it runs again (resuming from its last.ckpt, if any) alone on a GPU. Ctrl-C terminates the runs
+    and raises Interrupted. Returns the finished runs' results and the failed runs' errors, in run order."""
     results: dict[Run, dict] = {}
     failures: dict[Run, str] = {}
+    alone = list({tuple(sorted(slot.items())): slot for slot in slots}.values())  # one slot per device group
+    retry: set[Run] = set()
     todo = []
     for run in runs:
         result = finished(cfg, run)
@@ -304,9 +327,16 @@ def run_all(
                 return
             if slot:
                 PROCESSES.show(f"[{run.name}] on {', '.join(f'{k}={v}' for k, v in slot.items())}\n")
+            sizes = _log_sizes(run.dir(Path(cfg.root)))
             try:
                 results[run] = train(cfg, run, os.environ | slot, prefix=len(slots) > 1)
             except RunFailed as error:
+                shared = "CUDA_VISIBLE_DEVICES" in slot and len(alone) < len(slots)
+                if shared and _ran_out_of_memory(run.dir(Path(cfg.root)), sizes):
+                    retry.add(run)
+                    PROCESSES.show(f"[{run.name}] out of GPU memory with other runs on its GPU: it runs again "
+                                   "alone once they are done\n")
+                    return
                 if not cfg.keep_going:
                     raise
                 failures[run] = str(error)
@@ -334,5 +364,9 @@ def run_all(
     for future in futures:
         if future.exception() is not None:
             raise future.exception()
+    if retry:
+        again, failed_again = run_all(cfg, [run for run in runs if run in retry], check, alone)
+        results |= again
+        failures |= failed_again
     done = {run: results[run] for run in runs if run in results}  # in run order, not as they finished
     return done, {run: failures[run] for run in runs if run in failures}
