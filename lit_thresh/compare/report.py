@@ -232,8 +232,8 @@ def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None
     count = len(key_panels) + len(curves)
     figure = Figure(figsize=(5 * count, 4), layout="constrained")
     all_axes = figure.subplots(1, count, squeeze=False)[0]
-    # one colour per line in every panel, numbered apart for the key panels' lines and the length panels'
-    # rows: a shared count made lines of one panel collide modulo matplotlib's 10 colours
+    # a key line keeps its colour across the key panels; the length panels number their rows apart (a count
+    # shared with every row label made a key panel's lines collide modulo matplotlib's 10 colours)
     key_lines = list(dict.fromkeys(line for _, by_line in key_panels for line in by_line))
     colors = {label: f"C{i % 10}" for i, label in enumerate(row.label for row in rows)}
     colors |= {line: f"C{i % 10}" for i, line in enumerate(key_lines)}
