@@ -2,7 +2,8 @@
 
     python -m lit_thresh.bench                                   # the whole grid, one table
     python -m lit_thresh.bench --head-dims 128 --seq-lens 4096 --dtypes bfloat16 --quick
-    python -m lit_thresh.bench --sweep --no-table --csv sweep.csv  # block configs of each kernel
+    python -m lit_thresh.bench --sweep --no-table --csv sweep.csv  # block configs of each kernel, single
+                                                                   # and differential op
 
 Grid: head dim D x sequence length T x dtype, B = tokens / T sequences of H heads, causal. Columns, for
 forward and forward+backward: median ms (triton.testing.do_bench), TFLOP/s of causal attention (forward
@@ -178,8 +179,8 @@ def _measure(result: Result, fwd: Callable, fwd_bwd: Callable, grads: list[torch
     return result
 
 
-def _randn(*shape: int, dtype: torch.dtype, scale: float = 0.5) -> torch.Tensor:
-    return torch.randn(*shape, device="cuda", dtype=dtype) * scale
+def _randn(*shape: int, dtype: torch.dtype, scale: float = 0.5, device: str = "cuda") -> torch.Tensor:
+    return torch.randn(*shape, device=device, dtype=dtype) * scale
 
 
 def grid_point(dtype: torch.dtype, d: int, t: int, b: int, h: int, timing: Timing) -> list[Result]:
@@ -421,31 +422,61 @@ SWEEP = {  # (block_m, block_n, num_warps, num_stages) tried per kernel with poi
 }
 
 
-def _sweep_call(kernel: str, cfg, q, k, v, beta, dout) -> Callable[[], object]:
-    from lit_thresh.ops.triton_launch import KernelConfigs, default_configs, triton_backward, triton_forward
+DIFF_SWEEP = {  # the same for the fused differential op's kernels, which read through pointers (no TMA)
+    "fwd": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3),
+            (64, 32, 4, 3)],
+    "bwd_dkv": [(32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 2), (64, 64, 4, 3), (32, 32, 4, 3),
+                (32, 128, 8, 2), (64, 128, 8, 2)],
+    "bwd_dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 3),
+               (64, 32, 4, 2)],
+}
+SWEPT_OPS = {"": SWEEP, "diff ": DIFF_SWEEP}  # label prefix -> kernels: the single op's, the differential op's
 
-    configs = KernelConfigs(**{**default_configs(q.shape[-1], q.dtype).__dict__, kernel: cfg})
+
+def _sweep_inputs(b: int, h: int, t: int, d: int, dtype: torch.dtype, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """q, k, v, q2, k2 (B, H, T, D), dO, beta and lambda (H,): the single op takes q, k, v, the differential
+    op both pairs."""
+    names = ("q", "k", "v", "q2", "k2", "dout")
+    inputs = {name: _randn(b, h, t, d, dtype=dtype, device=device) for name in names}
+    return inputs | {"beta": torch.ones(h, device=device), "lam": torch.full((h,), 0.5, device=device)}
+
+
+def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """The call that times `kernel` of op ('' single, 'diff ' differential) at cfg, the other kernels at their
+    defaults: the forward, or the whole backward."""
+    from lit_thresh.ops.triton_differential import default_diff_configs, diff_triton_backward, diff_triton_forward
+    from lit_thresh.ops.triton_launch import default_configs, triton_backward, triton_forward
+
+    q, k, v, beta, dout = x["q"], x["k"], x["v"], x["beta"], x["dout"]
+    defaults = (default_diff_configs if op else default_configs)(q.shape[-1], q.dtype)
+    configs = replace(defaults, **{kernel: cfg})
+    if op:
+        pairs = (q, x["q2"], k, x["k2"], v, beta, x["lam"], 2.0, 1.0)
+        if kernel == "fwd":
+            return lambda: diff_triton_forward(*pairs, configs)
+        return lambda: diff_triton_backward(*pairs, dout, True, True, configs)
     if kernel == "fwd":
         return lambda: triton_forward(q, k, v, beta, 2.0, 1.0, configs)
     return lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, configs)
 
 
-def _sweep_configs(kernel: str, d: int, dtype: torch.dtype) -> list:
+def _sweep_configs(op: str, kernel: str, d: int, dtype: torch.dtype) -> list:
+    """The default first, the default with skip_zero, then SWEPT_OPS[op][kernel] (with and without TMA loads
+    for the single op)."""
+    from lit_thresh.ops.triton_differential import default_diff_configs
     from lit_thresh.ops.triton_launch import BlockConfig, default_configs
 
-    default = getattr(default_configs(d, dtype), kernel)
+    default = getattr((default_diff_configs if op else default_configs)(d, dtype), kernel)
     cfgs = [default, replace(default, skip_zero=True)]
-    cfgs += [BlockConfig(*c, tma=tma) for c in SWEEP[kernel] for tma in (False, True)]
+    cfgs += [BlockConfig(*c, tma=tma) for c in SWEPT_OPS[op][kernel] for tma in ((False,) if op else (False, True))]
     return list(dict.fromkeys(cfgs))
 
 
 def _compile_one(task: tuple) -> str:
     """Worker: run one config once at (1, H, T, D) so that its compiled kernel lands in Triton's cache."""
-    kernel, cfg, h, t, d, dtype_name = task
-    dtype = DTYPES[dtype_name]
-    q, k, v = (_randn(1, h, t, d, dtype=dtype) for _ in range(3))
+    op, kernel, cfg, h, t, d, dtype_name = task
     try:
-        _sweep_call(kernel, cfg, q, k, v, torch.ones(h, device="cuda"), _randn(1, h, t, d, dtype=dtype))()
+        _sweep_call(op, kernel, cfg, _sweep_inputs(1, h, t, d, DTYPES[dtype_name]))()
         torch.cuda.synchronize()
         return ""
     except Exception as err:  # out of shared memory or registers for this tile
@@ -453,32 +484,40 @@ def _compile_one(task: tuple) -> str:
 
 
 def sweep(dtype: torch.dtype, d: int, t: int, b: int, h: int, timing: Timing, workers: int) -> list[Result]:
-    """Time each kernel over SWEEP's configs (the other kernels at their defaults); prints every config tried."""
+    """Time each kernel of the single and the differential op over SWEPT_OPS's configs (the other kernels
+    at their defaults); prints every config tried."""
     name = str(dtype).removeprefix("torch.")
-    tasks = [(kernel, cfg, h, t, d, name) for kernel in SWEEP for cfg in _sweep_configs(kernel, d, dtype)]
+    keys = [(op, kernel, cfg) for op, kernels in SWEPT_OPS.items() for kernel in kernels
+            for cfg in _sweep_configs(op, kernel, d, dtype)]
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:  # compile in parallel
-        errors = dict(zip([(kn, c) for kn, c, *_ in tasks], pool.map(_compile_one, tasks)))
-    q, k, v = (_randn(b, h, t, d, dtype=dtype) for _ in range(3))
-    beta, dout = torch.ones(h, device="cuda"), _randn(b, h, t, d, dtype=dtype)
+        errors = dict(zip(keys, pool.map(_compile_one, [(*key, h, t, d, name) for key in keys])))
+    x = _sweep_inputs(b, h, t, d, dtype)
     out = []
-    for kernel in SWEEP:
-        timed = []
-        for i, cfg in enumerate(_sweep_configs(kernel, d, dtype)):
-            label = f"{kernel} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-            label += (" tma" if cfg.tma else "") + (" skip" if cfg.skip_zero else "")
-            res = Result(label, name, d, t, b, h, note=("default " if i == 0 else "") + errors[(kernel, cfg)])
-            if not errors[(kernel, cfg)]:
-                try:
-                    ms = _median_ms(_sweep_call(kernel, cfg, q, k, v, beta, dout), [], timing)
-                    if kernel == "fwd":
-                        res.fwd_ms = ms
-                    else:
-                        res.fwd_bwd_ms = ms  # the whole backward, this kernel at cfg
-                except Exception as err:
-                    res.note += f"{type(err).__name__}"
-            timed.append(res)
-        out += sorted(timed, key=lambda r: _finite_or_inf(r.fwd_ms if kernel == "fwd" else r.fwd_bwd_ms))
+    for op, kernels in SWEPT_OPS.items():
+        for kernel in kernels:
+            timed = []
+            for i, cfg in enumerate(_sweep_configs(op, kernel, d, dtype)):
+                label = f"{op}{kernel} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                label += (" tma" if cfg.tma else "") + (" skip" if cfg.skip_zero else "")
+                error = errors[(op, kernel, cfg)]
+                res = Result(label, name, d, t, b, h, note=("default " if i == 0 else "") + error)
+                if not error:
+                    try:
+                        ms = _median_ms(_sweep_call(op, kernel, cfg, x), [], timing)
+                        if kernel == "fwd":
+                            res.fwd_ms = ms
+                        else:
+                            res.fwd_bwd_ms = ms  # the whole backward, this kernel at cfg
+                    except Exception as err:
+                        res.note += f"{type(err).__name__}"
+                timed.append(res)
+            out += sorted(timed, key=lambda r: _finite_or_inf(r.fwd_ms if kernel == "fwd" else r.fwd_bwd_ms))
     return out
+
+
+def is_sweep_row(result: Result) -> bool:
+    """Whether a result is one of sweep()'s rows (not of the grid's table)."""
+    return result.variant.startswith(tuple(f"{op}{kernel} " for op, kernels in SWEPT_OPS.items() for kernel in kernels))
 
 
 def _finite_or_inf(x: float) -> float:
@@ -486,9 +525,10 @@ def _finite_or_inf(x: float) -> float:
 
 
 def format_sweep(results: Sequence[Result]) -> str:
-    lines = ["sweep: ms of the forward (fwd) or of the whole backward (bwd_*; the other backward kernel at its default)"]
+    lines = ["sweep: ms of the forward (fwd) or of the whole backward (bwd_*; the other backward kernel at its "
+             "default); diff: the fused differential op's kernels"]
     for r in results:
-        ms = r.fwd_ms if r.variant.startswith("fwd") else r.fwd_bwd_ms
+        ms = r.fwd_ms if r.variant.removeprefix("diff ").startswith("fwd") else r.fwd_bwd_ms
         lines.append(f"  {r.dtype:<8} D={r.head_dim:<4} T={r.seq_len:<6} {r.variant:<32} {_cell('{:>8.3f}', ms)}  {r.note}")
     return "\n".join(lines)
 
@@ -515,7 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--zero-fractions", type=float, nargs="*", default=[0.5, 0.9, 0.99],
                         help="fractions of zero weights for the skip_zero rows (none: no such rows)")
     parser.add_argument("--quick", action="store_true", help="shorter timing; sparse rows at the longest T only")
-    parser.add_argument("--sweep", action="store_true", help="first time block configs of each kernel")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time block configs of each kernel (the single and the differential op's)")
     parser.add_argument("--no-table", action="store_true", help="skip the grid table (with --sweep: sweep only)")
     parser.add_argument("--no-host", action="store_true", help="skip the host-overhead measurement")
     parser.add_argument("--workers", type=_positive_int, default=min(16, os.cpu_count() or 1),
@@ -564,7 +605,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     host = [] if args.no_host else host_overhead()
     if not args.no_table:
         print(f"\nH = {args.heads}, B * T = {args.tokens}, causal; x cudnn / x flash = SDPA time / this row's time")
-        print(format_table([r for r in results if not r.variant.startswith(("fwd ", "bwd_"))]))
+        print(format_table([r for r in results if not is_sweep_row(r)]))
     if host:
         print(format_host(host))
     if args.csv:

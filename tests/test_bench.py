@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,3 +112,91 @@ def test_without_cuda_exits_with_a_clear_error(capsys):
         bench.main(["--quick"])
     assert exit_info.value.code == 2
     assert "the benchmark needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("op", ["", "diff "])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dkv", "bwd_dq"])
+def test_sweep_calls_run_the_config_given_for_one_kernel_and_the_defaults_for_the_others(monkeypatch, op, kernel):
+    """The sweep of the single ('') and the differential ('diff ') op: each config list starts at the default
+    (then skip_zero on it; TMA variants for the single op only), and each call launches the kernel at the
+    config given, the others at their defaults, computing what the default call computes."""
+    from lit_thresh.ops import triton_differential, triton_launch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
+    defaults = (triton_differential.default_diff_configs if op else triton_launch.default_configs)(16, torch.float32)
+    cfgs = bench._sweep_configs(op, kernel, 16, torch.float32)
+    assert cfgs[0] == getattr(defaults, kernel) and cfgs[1] == replace(cfgs[0], skip_zero=True)
+    assert any(c.tma for c in cfgs) == (op == "")
+    seen = []
+    for name in ("triton_forward", "triton_backward", "diff_triton_forward", "diff_triton_backward"):
+        module = triton_differential if name.startswith("diff") else triton_launch
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, launch=launch: seen.append(a[-1]) or launch(*a))
+    x = bench._sweep_inputs(1, 2, 24, 16, torch.float32, device=device)
+    cfg = triton_launch.BlockConfig(16, 16, 4, 1)
+    got, want = (bench._sweep_call(op, kernel, c, x)() for c in (cfg, cfgs[0]))
+    assert seen == [replace(defaults, **{kernel: cfg}), replace(defaults, **{kernel: cfgs[0]})]
+    got, want = (out if isinstance(out, tuple) else (out,) for out in (got, want))
+    assert len(got) == len(want) and all(torch.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want))
+
+
+def test_sweep_rows_are_told_from_the_table_rows():
+    def is_sweep(variant: str) -> bool:
+        return bench.is_sweep_row(Result(variant, "bfloat16", 64, 1024, 16, 16))
+
+    assert is_sweep("fwd 128x64 w8 s3 tma") and is_sweep("bwd_dkv 32x64 w4 s2") and is_sweep("diff bwd_dq 64x32 w4 s3")
+    assert not is_sweep("differential fused p=2") and not is_sweep("threshold p=2") and not is_sweep("sdpa cudnn")
+
+
+def test_sweep_times_every_config_of_both_ops_and_sorts_each_kernel(monkeypatch):
+    """sweep()'s bookkeeping on CPU (the interpreter): compile errors by (op, kernel, config), a row per
+    config labelled with its op and kernel, the default marked, each kernel's rows fastest first. Timing
+    and the compile pool are stood in for (they need CUDA); one config fails to compile."""
+    from concurrent.futures import Executor
+
+    class InProcess(Executor):
+        def __init__(self, **kwargs):
+            pass
+
+        def map(self, fn, tasks):
+            return [fn(task) for task in tasks]
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = bench._sweep_inputs
+    monkeypatch.setattr(bench, "_sweep_inputs", lambda *a: inputs(*a, device=device))
+    monkeypatch.setattr(bench, "ProcessPoolExecutor", InProcess)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    times = iter(range(1000, 0, -1))  # each config timed is faster than the one before
+
+    def timed(fn, grads, timing):
+        fn()  # the call runs (the interpreter), its time is made up
+        return float(next(times))
+
+    monkeypatch.setattr(bench, "_median_ms", timed)
+    broken = bench.SWEPT_OPS["diff "]["bwd_dq"][0]
+    real_call = bench._sweep_call
+
+    def call(op, kernel, cfg, x):
+        if (op, kernel, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)) == ("diff ", "bwd_dq", broken):
+            raise RuntimeError("out of resources: shared memory")
+        return real_call(op, kernel, cfg, x)
+
+    monkeypatch.setattr(bench, "_sweep_call", call)
+    two_each = {op: {kernel: cfgs[:2] for kernel, cfgs in kernels.items()} for op, kernels in bench.SWEPT_OPS.items()}
+    monkeypatch.setattr(bench, "SWEPT_OPS", two_each)
+    rows = bench.sweep(torch.float16, 16, 24, 1, 2, bench.Timing(), workers=1)
+    by_kernel: dict[str, list] = {}
+    for r in rows:
+        by_kernel.setdefault(re.match(r"(diff )?(fwd|bwd_dkv|bwd_dq) ", r.variant)[0].strip(), []).append(r)
+    assert list(by_kernel) == [f"{op}{kernel}" for op in ("", "diff ") for kernel in ("fwd", "bwd_dkv", "bwd_dq")]
+    for kernel, group in by_kernel.items():
+        times_ms = [r.fwd_ms if kernel.endswith("fwd") else r.fwd_bwd_ms for r in group]
+        finite = [t for t in times_ms if math.isfinite(t)]
+        assert finite == sorted(finite) and sum(r.note.startswith("default") for r in group) == 1
+    failed = [r for r in rows if r.note.removeprefix("default ")]
+    assert [(r.variant.split()[:2], r.note) for r in failed] == [
+        (["diff", "bwd_dq"], "RuntimeError: out of resources: shared memory")]
+    assert math.isnan(failed[0].fwd_bwd_ms)
+    assert all(math.isfinite(r.fwd_ms if r.variant.removeprefix("diff ").startswith("fwd") else r.fwd_bwd_ms)
+               for r in rows if r is not failed[0])
+    assert all(bench.is_sweep_row(r) for r in rows) and "diff bwd_dkv" in bench.format_sweep(rows)
