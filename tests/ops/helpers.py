@@ -35,6 +35,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def assert_rows_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """Row by row (the last dim), got within tol of want in relative error norm plus the rounding floor of
+    want in got's dtype; rows whose reference is all zero must be exactly zero."""
+    w64 = want.double()
+    norm = w64.norm(dim=-1)  # (B, H, T)
+    assert torch.equal(got[norm == 0], torch.zeros_like(got[norm == 0])), name  # e.g. a first query below tau
+    err = (got.double() - w64).norm(dim=-1)[norm > 0] / norm[norm > 0]  # one error per row
+    floor = (want.to(got.dtype).double() - w64).norm(dim=-1)[norm > 0] / norm[norm > 0]
+    assert (err < tol + floor).all(), f"{name}: worst row {(err - floor).max().item():.2e}"
+
+
 def reference_with_grads(q, k, v, beta, power, scale, dout):
     """Reference output and (dq, dk, dv, dbeta) in float64 from the same input values."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
