@@ -327,12 +327,13 @@ def run_all(
                 return
             if slot:
                 PROCESSES.show(f"[{run.name}] on {', '.join(f'{k}={v}' for k, v in slot.items())}\n")
-            sizes = _log_sizes(run.dir(Path(cfg.root)))
+            run_dir = run.dir(Path(cfg.root))
+            sizes = _log_sizes(run_dir)
             try:
                 results[run] = train(cfg, run, os.environ | slot, prefix=len(slots) > 1)
             except RunFailed as error:
                 shared = "CUDA_VISIBLE_DEVICES" in slot and len(alone) < len(slots)
-                if shared and _ran_out_of_memory(run.dir(Path(cfg.root)), sizes):
+                if shared and _ran_out_of_memory(run_dir, sizes):
                     retry.add(run)
                     PROCESSES.show(f"[{run.name}] out of GPU memory with other runs on its GPU: it runs again "
                                    "alone once they are done\n")
