@@ -121,6 +121,47 @@ def _any_live(x):
 
 
 @triton.jit
+def threshold_live_tiles_kernel(
+    Q, K, BETA, LIVE,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    H, GROUP, TQ, TK, scale, gain_coef,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The backward's tile map for skip_zero: LIVE (B * H, cdiv(TQ, BLOCK_M), cdiv(TK, BLOCK_N)) int8,
+    zeroed by the caller, gets 1 for each (query tile, key tile) pair that may hold a score above tau.
+    A tile is left 0 only when every causal score of its real rows and keys is <= -margin, margin =
+    1e-3 |scale| max|q_i| max|k_j|, far above the rounding of a backward kernel's own product of the same
+    tiles, so that no tile with a weight is ever marked 0; a NaN score marks it 1. Grid
+    (cdiv(TQ, BLOCK_M), B * H)."""
+    scale, gain_coef = _as_fp32(scale), _as_fp32(gain_coef)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    past = TK - TQ
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = _seq_tile(Q + b * stride_qb + h * stride_qh, b, h, pid_m * BLOCK_M, stride_qt, stride_qd,
+                  TQ, D, BLOCK_M, BLOCK_D, True, False)  # (BLOCK_M, BLOCK_D)
+    pos = offs_m + past
+    tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
+    q_max = tl.max(_row_norms(q))
+    k_src = K + b * stride_kb + (h // GROUP) * stride_kh
+    n_tiles = tl.cdiv(TK, BLOCK_N)
+    live_row = LIVE + (pid_bh.to(tl.int64) * tl.cdiv(TQ, BLOCK_M) + pid_m) * n_tiles
+    n_end = tl.minimum(past + pid_m * BLOCK_M + BLOCK_M, TK)  # past the last key any row of the tile sees
+    for start_n in range(0, n_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _seq_tile(k_src, b, h, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, True, False)  # (BLOCK_N, BLOCK_D)
+        x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        real = (offs_n[None, :] <= pos[:, None]) & (offs_m[:, None] < TQ) & (offs_n[None, :] < TK)
+        margin = 1e-3 * tl.abs(scale) * q_max * tl.max(_row_norms(k))
+        live = tl.max(tl.where(real & ~(x <= -margin), 1, 0))  # NaN: not <= -margin, so live
+        tl.store(live_row + start_n // BLOCK_N, live.to(tl.int8))
+
+
+@triton.jit
 def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b on tensor cores. UPCAST (the interpreter with bf16 only: it cannot multiply bf16)
     multiplies the same bf16-rounded values in fp32."""
@@ -312,35 +353,54 @@ def _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul, POWER_MODE: tl.
 
 
 @triton.jit
+def _bwd_dkv_tile(
+    dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
+    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """dK, dV accumulators after the query tile at start_m."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _seq_tile(q_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    do = _seq_tile(do_src, b, h, start_m, stride_dot, stride_dod, TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
+    pos = offs_m + past
+    tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
+    x_t = _mma(k, tl.trans(q), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
+    if CAUSAL_MASK:
+        x_t = tl.where(offs_n[:, None] <= pos[None, :], x_t, 0.0)
+    return _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul, POWER_MODE, ROW_SCALE, FP16_RANGE,
+                           PRECISION, UPCAST)
+
+
+@triton.jit
 def _bwd_dkv_inner(
     dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
+    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, live_col, live_stride, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    """Over query tiles [lo, hi); SKIP_ZERO: only those the tile map (live_col: this key tile's column,
+    live_stride apart per query tile) marks live, decided before any load."""
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _seq_tile(q_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
-        do = _seq_tile(do_src, b, h, start_m, stride_dot, stride_dod, TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
-        pos = offs_m + past
-        tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
-        x_t = _mma(k, tl.trans(q), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
-        if CAUSAL_MASK:
-            x_t = tl.where(offs_n[:, None] <= pos[None, :], x_t, 0.0)
         if SKIP_ZERO:
-            if _any_live(x_t):
-                dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul,
-                                         POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
+            if tl.load(live_col + (start_m // BLOCK_M) * live_stride) != 0:
+                dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                       stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                                       D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                       FP16_RANGE, PRECISION, UPCAST, USE_TMA)
         else:
-            dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul,
-                                     POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
+            dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                   stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                   FP16_RANGE, PRECISION, UPCAST, USE_TMA)
     return dk, dv
 
 
 @triton.jit
 def threshold_bwd_dkv_kernel(
-    Q, K, V, dO, dK, dV, BETA, ROW_NORMS,
+    Q, K, V, dO, dK, dV, BETA, ROW_NORMS, LIVE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -357,8 +417,8 @@ def threshold_bwd_dkv_kernel(
     them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). ROW_SCALE (fp16, p >= 1): the rows of P^T and
     dS^T scaled into fp16's range by a power of two per key, from the query and dO row norms ROW_NORMS
     (B * HKV * GROUP, 2, TQ) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1): per-tile scaling instead.
-    SKIP_ZERO: skip the dV/dP/dS/dK work of query tiles whose rectified scores are all exactly 0.
-    USE_TMA: Q, K, V, dO are tensor descriptors."""
+    SKIP_ZERO: skip the query tiles that the tile map LIVE (threshold_live_tiles_kernel at these tiles;
+    unused otherwise) marks all-zero, loads included. USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -400,17 +460,19 @@ def threshold_bwd_dkv_kernel(
         ds_mul = tl.exp2(-ds_exp)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
+    n_tiles = tl.cdiv(TK, BLOCK_N)  # the tile map's row length
     for g in range(GROUP):
         h = hk * GROUP + g
         beta = tl.load(BETA + h)
         q_src = _head_src(Q, b, h, stride_qb, stride_qh, USE_TMA)
         do_src = _head_src(dO, b, h, stride_dob, stride_doh, USE_TMA)
+        live_col = LIVE + (b * HKV * GROUP + h) * tl.cdiv(TQ, BLOCK_M) * n_tiles + pid_n  # unless SKIP_ZERO: unused
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, m_lo, m_full,
+                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, live_col, n_tiles, m_lo, m_full,
                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                 True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, m_full, TQ,
+                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, live_col, n_tiles, m_full, TQ,
                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                 False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     dk = dk * scale
@@ -438,34 +500,52 @@ def _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul, POWER_MODE: tl.conste
 
 
 @triton.jit
+def _bwd_dq_tile(
+    dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+    TK, scale, power, start_n,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, DS_SCALED: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """dQ accumulator and dS row sums after the key tile at start_n; scale: a scalar or (BLOCK_M, 1)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
+    x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    if CAUSAL_MASK:
+        x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
+    return _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION,
+                          UPCAST, BETA_GRAD)
+
+
+@triton.jit
 def _bwd_dq_inner(
     dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-    TK, scale, power, lo, hi,
+    TK, scale, power, live_row, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, DS_SCALED: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales."""
+    """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales. SKIP_ZERO: only the tiles that
+    the tile map (live_row: this query tile's row) marks live, decided before any load."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
-        v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
-        x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        if CAUSAL_MASK:
-            x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
         if SKIP_ZERO:
-            if _any_live(x):
-                dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul,
-                                            POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+            if tl.load(live_row + start_n // BLOCK_N) != 0:
+                dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                                          stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
+                                          BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                                          BETA_GRAD, USE_TMA)
         else:
-            dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul,
-                                        POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+            dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                                      stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
+                                      BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                                      BETA_GRAD, USE_TMA)
     return dq, ds_sum
 
 
 @triton.jit
 def threshold_bwd_dq_kernel(
-    Q, K, V, dO, dQ, DBETA_ROWS, BETA, ROW_NORMS,
+    Q, K, V, dO, dQ, DBETA_ROWS, BETA, ROW_NORMS, LIVE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -481,8 +561,9 @@ def threshold_bwd_dq_kernel(
     -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H).
     ROW_SCALE (fp16, p >= 1): dS rows scaled into fp16's range by a power of two per row, from the key and
     value norms ROW_NORMS (B * H / GROUP, 2, TK) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1):
-    per-tile scaling instead. SKIP_ZERO: skip the dP/dS/dQ work of all-zero tiles. USE_TMA: Q, K, V, dO
-    are tensor descriptors."""
+    per-tile scaling instead. SKIP_ZERO: skip the key tiles that the tile map LIVE
+    (threshold_live_tiles_kernel at these tiles; unused otherwise) marks all-zero, loads included.
+    USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -522,12 +603,13 @@ def threshold_bwd_dq_kernel(
             ds_mul = tl.exp2(-ds_exp)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    live_row = LIVE + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * tl.cdiv(TK, BLOCK_N)  # unless SKIP_ZERO: unused
     dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt,
-                               stride_vd, TK, x_scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               stride_vd, TK, x_scale, power, live_row, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                False, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
                                BETA_GRAD, SKIP_ZERO, USE_TMA)
     dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt,
-                               stride_vd, TK, x_scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               stride_vd, TK, x_scale, power, live_row, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                True, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
                                BETA_GRAD, SKIP_ZERO, USE_TMA)
     dq = dq * scale

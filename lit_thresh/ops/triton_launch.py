@@ -10,7 +10,12 @@ import torch
 import triton
 
 from lit_thresh.ops.backend import triton_interpreting
-from lit_thresh.ops.triton_kernels import threshold_bwd_dkv_kernel, threshold_bwd_dq_kernel, threshold_fwd_kernel
+from lit_thresh.ops.triton_kernels import (
+    threshold_bwd_dkv_kernel,
+    threshold_bwd_dq_kernel,
+    threshold_fwd_kernel,
+    threshold_live_tiles_kernel,
+)
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,23 @@ def triton_forward(
     return out
 
 
+def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, block_m: int, block_n: int,
+               kw: dict) -> torch.Tensor:
+    """The backward's tile map for skip_zero at (block_m, block_n) tiles: (B * Hq, cdiv(Tq, block_m),
+    cdiv(Tk, block_n)) int8, 1 where the (query tile, key tile) pair may hold a weight, 0 where every causal
+    score is below tau (threshold_live_tiles_kernel). kw: the backward kernel's constexprs."""
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    n_m = -(-tq // block_m)
+    live = torch.zeros(b * hq, n_m, -(-tk // block_n), device=q.device, dtype=torch.int8)
+    threshold_live_tiles_kernel[(n_m, b * hq)](
+        q, k, beta, live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / d,
+        D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=kw["PRECISION"],
+        UPCAST=kw["UPCAST"], num_warps=4, num_stages=2,
+    )
+    return live
+
+
 def triton_backward(
     q: torch.Tensor,  # (B, Hq, Tq, D)
     k: torch.Tensor,  # (B, Hkv, Tk, D)
@@ -214,9 +236,10 @@ def triton_backward(
     bd, bdv = dq_kw["BLOCK_D"], dq_kw["BLOCK_DV"]
 
     m, n = dkv_cfg.block_m, dkv_cfg.block_n
+    dkv_live = live_tiles(q, k, beta, scale, m, n, dkv_kw) if dkv_cfg.skip_zero else beta  # beta: unused
     srcs, use_tma = _sources(dkv_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dkv_kernel[(-(-tk // n), b * hkv)](
-        *srcs, dk, dval, beta, qdo_norms,
+        *srcs, dk, dval, beta, qdo_norms, dkv_live,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dval.stride(),
         hkv, hq // hkv, *scalars,
         USE_TMA=use_tma, **dkv_kw,
@@ -224,9 +247,15 @@ def triton_backward(
 
     dbeta_rows = torch.empty(b * hq, tq, device=q.device, dtype=torch.float32) if need_dbeta else dq
     m, n = dq_cfg.block_m, dq_cfg.block_n
+    if not dq_cfg.skip_zero:
+        dq_live = beta  # unused
+    elif dkv_cfg.skip_zero and (m, n) == (dkv_cfg.block_m, dkv_cfg.block_n):
+        dq_live = dkv_live  # one map for both kernels' tiles
+    else:
+        dq_live = live_tiles(q, k, beta, scale, m, n, dq_kw)
     srcs, use_tma = _sources(dq_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dq_kernel[(-(-tq // m), b * hq)](
-        *srcs, dq, dbeta_rows, beta, kv_norms,
+        *srcs, dq, dbeta_rows, beta, kv_norms, dq_live,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         hq, hq // hkv, *scalars,
         BETA_GRAD=need_dbeta, USE_TMA=use_tma, **dq_kw,

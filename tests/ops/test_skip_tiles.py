@@ -93,3 +93,51 @@ def test_a_nan_tile_is_not_skipped(device):
         assert dq[0, 0, 70].isnan().all() and dbeta[0].isnan() and not dbeta[1].isnan()
         assert dk[0, 0, :71].isnan().all() and dv[0, 0, :71].isnan().all() and not dv[0, 0, 71:].isnan().any()
         assert not any(g[0, 1].isnan().any() for g in (out, dq, dk, dv))
+
+
+def _true_live_tiles(q, k, beta, block_m: int, block_n: int) -> torch.Tensor:
+    """(B * H, n_m, n_n) bool: the (query tile, key tile) pairs holding a nonzero float64 weight."""
+    w = threshold_attention_weights(q.double(), k.double(), beta.double(), 2.0)  # (B, H, Tq, Tk)
+    tq, tk = w.shape[-2:]
+    n_m, n_n = -(-tq // block_m), -(-tk // block_n)
+    w = F.pad(w, (0, n_n * block_n - tk, 0, n_m * block_m - tq))
+    tiles = w.unflatten(-1, (n_n, block_n)).unflatten(-3, (n_m, block_m))  # (B, H, n_m, bm, n_n, bn)
+    return tiles.ne(0).any(-1).any(-2).flatten(0, 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(device, block_m, block_n):
+    """live_tiles (the backward's skip_zero map): 1 on every tile with a nonzero weight (it must never
+    drop one), 0 on almost all the others (only scores within its rounding margin of tau count as live
+    beyond them); a NaN score keeps its tile; Tq < Tk and GQA (4 query heads on 2 kv heads)."""
+    from lit_thresh.ops.triton_launch import _problem_plan, live_tiles
+
+    gen = generator("tile-map", device, block_m, block_n)
+    (q, k, _), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
+    q = torch.cat([q, q.flip(-2)], dim=1)[:, :, 24:]  # (1, 4, 56, 16): Tq < Tk, GROUP 2
+    beta = torch.cat([beta, beta.flip(0)])
+    _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
+    live = live_tiles(q, k, beta, 1.0, block_m, block_n, kw).bool().cpu()
+    want = _true_live_tiles(q, k.repeat_interleave(2, dim=1), beta, block_m, block_n).cpu()
+    assert live.shape == want.shape and want.any() and (~want).any()
+    assert not (want & ~live).any(), "a tile with a weight was marked all-zero"
+    assert (live & ~want).sum() <= 0.02 * (~want).sum()
+    q[0, 1, 30] = float("nan")
+    live = live_tiles(q, k, beta, 1.0, block_m, block_n, kw).bool().cpu()
+    assert live[1, 30 // block_m, : (24 + 30) // block_n + 1].all()  # every causal key tile of the NaN row
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_skip_on_and_off_agree_with_different_tiles_per_kernel(device):
+    """dK/dV and dQ with tiles of their own: each gets its own tile map (one is shared when they match)."""
+    gen = generator("skip-tiles", device)
+    (q, k, v), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
+    dout = randn(gen, 1, 2, 80, 16, device=device)
+    results = []
+    for skip in (False, True):
+        cfgs = KernelConfigs(BlockConfig(16, 16, skip_zero=skip), BlockConfig(16, 32, skip_zero=skip),
+                             BlockConfig(32, 16, skip_zero=skip))
+        results.append(triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs))
+    for a, b in zip(*results):
+        assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"
