@@ -249,33 +249,50 @@ def _fp16_exp(log2_bound):
 
 
 @triton.jit
+def _fwd_tile(
+    acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+    TK, scale, power, start_n,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """acc + P V of the key tile at start_n."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
+    x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    if CAUSAL_MASK:
+        x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
+    return _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
+
+
+@triton.jit
 def _fwd_inner(
     acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-    TK, scale, power, lo, hi,
+    TK, scale, power, live_row, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """acc + P V over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales; P_SCALED: P's rows
-    are multiplied by p_mul (BLOCK_M,) before the cast."""
+    are multiplied by p_mul (BLOCK_M,) before the cast. SKIP_ZERO: only the tiles that the tile map
+    (live_row: this query tile's row) marks live, decided before any load."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
-        v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
-        x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        if CAUSAL_MASK:
-            x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
         if SKIP_ZERO:
-            if _any_live(x):
-                acc = _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
+            if tl.load(live_row + start_n // BLOCK_N) != 0:
+                acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+                                TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
+                                P_SCALED, PRECISION, UPCAST, USE_TMA)
         else:
-            acc = _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
+            acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+                            TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
+                            P_SCALED, PRECISION, UPCAST, USE_TMA)
     return acc
 
 
 @triton.jit
 def threshold_fwd_kernel(
-    Q, K, V, O, BETA, ROW_NORMS,
+    Q, K, V, O, BETA, ROW_NORMS, LIVE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -288,8 +305,9 @@ def threshold_fwd_kernel(
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
     ROW_SCALE (fp16): P rows scaled into fp16's range by a power of two per row, from the key norms
-    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: skip the PV product of key tiles
-    whose rectified scores are all exactly 0. USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
+    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: skip the key tiles that the tile map
+    LIVE (threshold_live_tiles_kernel at these tiles; unused otherwise) marks all-zero, loads included.
+    USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
@@ -326,11 +344,12 @@ def threshold_fwd_kernel(
             x_scale = (scale * row_scale)[:, None]  # (BLOCK_M, 1)
             tau = tau * row_scale
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    live_row = LIVE + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * tl.cdiv(TK, BLOCK_N)  # unless SKIP_ZERO: unused
     acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, x_scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     TK, x_scale, power, live_row, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                      False, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, x_scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     TK, x_scale, power, live_row, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                      True, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     if ROW_SCALE:
         acc = acc * tl.exp2(e)[:, None]

@@ -20,9 +20,11 @@ from lit_thresh.ops.triton_kernels import (
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """Tile sizes and launch settings of one kernel. skip_zero: skip the products after the score product
-    on tiles whose rectified scores are all exactly 0 (exact either way; on the H200 it cost 1.5-2x on
-    dense maps and paid only for fp16 maps with ~96% all-zero tiles: lit_thresh/ops/PERF.md).
+    """Tile sizes and launch settings of one kernel. skip_zero: a pre-pass maps the tiles whose rectified
+    scores are all exactly 0 (live_tiles) and the kernel skips them, loads included (the differential op's
+    kernels check each tile in their loop instead; exact either way; the
+    in-loop check this replaced cost 1.5-2x on dense maps and paid only for fp16 maps with ~96% all-zero
+    tiles: lit_thresh/ops/PERF.md; this version is not yet timed).
     tma: read the inputs through TMA tensor descriptors where their layout allows it (unit last stride,
     16-byte aligned base and strides, tile rows of at most 256 bytes), else through pointers."""
 
@@ -166,6 +168,23 @@ def _launch_meta(cfg: BlockConfig) -> dict:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, block_m: int, block_n: int,
+               kw: dict) -> torch.Tensor:
+    """A kernel's tile map for skip_zero at (block_m, block_n) tiles: (B * Hq, cdiv(Tq, block_m),
+    cdiv(Tk, block_n)) int8, 1 where the (query tile, key tile) pair may hold a weight, 0 where every causal
+    score is below tau (threshold_live_tiles_kernel). kw: that kernel's constexprs."""
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    n_m = -(-tq // block_m)
+    live = torch.zeros(b * hq, n_m, -(-tk // block_n), device=q.device, dtype=torch.int8)
+    threshold_live_tiles_kernel[(n_m, b * hq)](
+        q, k, beta, live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / d,
+        D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=kw["PRECISION"],
+        UPCAST=kw["UPCAST"], num_warps=4, num_stages=2,
+    )
+    return live
+
+
 def triton_forward(
     q: torch.Tensor,  # (B, Hq, Tq, D)
     k: torch.Tensor,  # (B, Hkv, Tk, D)
@@ -184,30 +203,14 @@ def triton_forward(
     bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
     srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
     k_norms = _row_norms(k).contiguous() if kw["ROW_SCALE"] else beta  # (B, Hkv, Tk); beta: unused
+    live = live_tiles(q, k, beta, scale, cfg.block_m, cfg.block_n, kw) if cfg.skip_zero else beta  # beta: unused
     threshold_fwd_kernel[grid](
-        *srcs, out, beta, k_norms,
+        *srcs, out, beta, k_norms, live,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
         USE_TMA=use_tma, **kw,
     )
     return out
-
-
-def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, block_m: int, block_n: int,
-               kw: dict) -> torch.Tensor:
-    """The backward's tile map for skip_zero at (block_m, block_n) tiles: (B * Hq, cdiv(Tq, block_m),
-    cdiv(Tk, block_n)) int8, 1 where the (query tile, key tile) pair may hold a weight, 0 where every causal
-    score is below tau (threshold_live_tiles_kernel). kw: the backward kernel's constexprs."""
-    b, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    n_m = -(-tq // block_m)
-    live = torch.zeros(b * hq, n_m, -(-tk // block_n), device=q.device, dtype=torch.int8)
-    threshold_live_tiles_kernel[(n_m, b * hq)](
-        q, k, beta, live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / d,
-        D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=kw["PRECISION"],
-        UPCAST=kw["UPCAST"], num_warps=4, num_stages=2,
-    )
-    return live
 
 
 def triton_backward(
