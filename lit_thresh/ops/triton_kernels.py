@@ -15,9 +15,11 @@ dS has no such bound (x^(p-1) grows without limit as x -> 0+): the backward then
 its own row maxima (FP16_RANGE, _dot_acc), at the cost of a separate product per tile.
 
 NaN in q, k or beta gives NaN, as ReLU(NaN) = NaN in the math; keys past a query's position are set to
-x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a tile whose
-scores are all <= 0 (P exactly 0, no NaN) skips its products after the score product. With USE_TMA, the
-input tiles come through TMA tensor descriptors (zero-filled out of bounds) instead of masked pointer loads.
+x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a kernel skips
+the tiles, loads included, that a pre-pass (threshold_live_tiles_kernel) mapped as all scores <= 0 (P exactly
+0, no NaN): exact for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without
+skipping). With USE_TMA, the input tiles come through TMA tensor descriptors (zero-filled out of bounds)
+instead of masked pointer loads.
 """
 
 import triton
@@ -129,12 +131,12 @@ def threshold_live_tiles_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """The backward's tile map for skip_zero: LIVE (B * H, cdiv(TQ, BLOCK_M), cdiv(TK, BLOCK_N)) int8,
-    zeroed by the caller, gets 1 for each (query tile, key tile) pair that may hold a score above tau.
-    A tile is left 0 only when every causal score of its real rows and keys is <= -margin, margin =
-    1e-3 |scale| max|q_i| max|k_j|, far above the rounding of a backward kernel's own product of the same
-    tiles, so that no tile with a weight is ever marked 0; a NaN score marks it 1. Grid
-    (cdiv(TQ, BLOCK_M), B * H)."""
+    """A kernel's tile map for skip_zero: LIVE (B * H, cdiv(TQ, BLOCK_M), cdiv(TK, BLOCK_N)) int8, zeroed by
+    the caller, gets 1 for each (query tile, key tile) pair that may hold a score above tau. A tile is left
+    0 only when every causal score of its real rows and keys is <= -margin, margin = 1e-2 |scale| max|q_i|
+    max|k_j|, above the difference between this product and the kernel's own of the same tiles (summation
+    order; tf32's operand rounding, up to ~2e-3 relative, included), so that no tile with a weight is ever
+    marked 0; a NaN score marks it 1. Grid (cdiv(TQ, BLOCK_M), B * H)."""
     scale, gain_coef = _as_fp32(scale), _as_fp32(gain_coef)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -156,7 +158,7 @@ def threshold_live_tiles_kernel(
         k = _seq_tile(k_src, b, h, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, True, False)  # (BLOCK_N, BLOCK_D)
         x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
         real = (offs_n[None, :] <= pos[:, None]) & (offs_m[:, None] < TQ) & (offs_n[None, :] < TK)
-        margin = 1e-3 * tl.abs(scale) * q_max * tl.max(_row_norms(k))
+        margin = 1e-2 * tl.abs(scale) * q_max * tl.max(_row_norms(k))
         live = tl.max(tl.where(real & ~(x <= -margin), 1, 0))  # NaN: not <= -margin, so live
         tl.store(live_row + start_n // BLOCK_N, live.to(tl.int8))
 

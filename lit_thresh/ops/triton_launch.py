@@ -168,19 +168,20 @@ def _launch_meta(cfg: BlockConfig) -> dict:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, block_m: int, block_n: int,
+def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, cfg: BlockConfig,
                kw: dict) -> torch.Tensor:
-    """A kernel's tile map for skip_zero at (block_m, block_n) tiles: (B * Hq, cdiv(Tq, block_m),
+    """A kernel's tile map for skip_zero at its (block_m, block_n) tiles: (B * Hq, cdiv(Tq, block_m),
     cdiv(Tk, block_n)) int8, 1 where the (query tile, key tile) pair may hold a weight, 0 where every causal
-    score is below tau (threshold_live_tiles_kernel). kw: that kernel's constexprs."""
+    score is below tau (threshold_live_tiles_kernel, with that kernel's warps and stages). kw: that
+    kernel's constexprs."""
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
-    n_m = -(-tq // block_m)
-    live = torch.zeros(b * hq, n_m, -(-tk // block_n), device=q.device, dtype=torch.int8)
+    n_m = -(-tq // cfg.block_m)
+    live = torch.zeros(b * hq, n_m, -(-tk // cfg.block_n), device=q.device, dtype=torch.int8)
     threshold_live_tiles_kernel[(n_m, b * hq)](
         q, k, beta, live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / d,
-        D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=kw["PRECISION"],
-        UPCAST=kw["UPCAST"], num_warps=4, num_stages=2,
+        D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=kw["PRECISION"],
+        UPCAST=kw["UPCAST"], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return live
 
@@ -203,7 +204,7 @@ def triton_forward(
     bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
     srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
     k_norms = _row_norms(k).contiguous() if kw["ROW_SCALE"] else beta  # (B, Hkv, Tk); beta: unused
-    live = live_tiles(q, k, beta, scale, cfg.block_m, cfg.block_n, kw) if cfg.skip_zero else beta  # beta: unused
+    live = live_tiles(q, k, beta, scale, cfg, kw) if cfg.skip_zero else beta  # beta: unused
     threshold_fwd_kernel[grid](
         *srcs, out, beta, k_norms, live,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -239,7 +240,7 @@ def triton_backward(
     bd, bdv = dq_kw["BLOCK_D"], dq_kw["BLOCK_DV"]
 
     m, n = dkv_cfg.block_m, dkv_cfg.block_n
-    dkv_live = live_tiles(q, k, beta, scale, m, n, dkv_kw) if dkv_cfg.skip_zero else beta  # beta: unused
+    dkv_live = live_tiles(q, k, beta, scale, dkv_cfg, dkv_kw) if dkv_cfg.skip_zero else beta  # beta: unused
     srcs, use_tma = _sources(dkv_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dkv_kernel[(-(-tk // n), b * hkv)](
         *srcs, dk, dval, beta, qdo_norms, dkv_live,
@@ -252,10 +253,10 @@ def triton_backward(
     m, n = dq_cfg.block_m, dq_cfg.block_n
     if not dq_cfg.skip_zero:
         dq_live = beta  # unused
-    elif dkv_cfg.skip_zero and (m, n) == (dkv_cfg.block_m, dkv_cfg.block_n):
-        dq_live = dkv_live  # one map for both kernels' tiles
+    elif dkv_cfg.skip_zero and (m, n) == (dkv_cfg.block_m, dkv_cfg.block_n):  # the same tiles: one map
+        dq_live = dkv_live
     else:
-        dq_live = live_tiles(q, k, beta, scale, m, n, dq_kw)
+        dq_live = live_tiles(q, k, beta, scale, dq_cfg, dq_kw)
     srcs, use_tma = _sources(dq_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dq_kernel[(-(-tq // m), b * hq)](
         *srcs, dq, dbeta_rows, beta, kv_norms, dq_live,

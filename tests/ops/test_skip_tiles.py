@@ -108,7 +108,7 @@ def _true_live_tiles(q, k, beta, block_m: int, block_n: int) -> torch.Tensor:
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
 def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(device, block_m, block_n):
-    """live_tiles (the backward's skip_zero map): 1 on every tile with a nonzero weight (it must never
+    """live_tiles (a kernel's skip_zero map): 1 on every tile with a nonzero weight (it must never
     drop one), 0 on almost all the others (only scores within its rounding margin of tau count as live
     beyond them); a NaN score keeps its tile; Tq < Tk and GQA (4 query heads on 2 kv heads)."""
     from lit_thresh.ops.triton_launch import _problem_plan, live_tiles
@@ -118,26 +118,39 @@ def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(devic
     q = torch.cat([q, q.flip(-2)], dim=1)[:, :, 24:]  # (1, 4, 56, 16): Tq < Tk, GROUP 2
     beta = torch.cat([beta, beta.flip(0)])
     _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
-    live = live_tiles(q, k, beta, 1.0, block_m, block_n, kw).bool().cpu()
+    live = live_tiles(q, k, beta, 1.0, BlockConfig(block_m, block_n), kw).bool().cpu()
     want = _true_live_tiles(q, k.repeat_interleave(2, dim=1), beta, block_m, block_n).cpu()
     assert live.shape == want.shape and want.any() and (~want).any()
     assert not (want & ~live).any(), "a tile with a weight was marked all-zero"
     assert (live & ~want).sum() <= 0.02 * (~want).sum()
     q[0, 1, 30] = float("nan")
-    live = live_tiles(q, k, beta, 1.0, block_m, block_n, kw).bool().cpu()
+    live = live_tiles(q, k, beta, 1.0, BlockConfig(block_m, block_n), kw).bool().cpu()
     assert live[1, 30 // block_m, : (24 + 30) // block_n + 1].all()  # every causal key tile of the NaN row
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_skip_on_and_off_agree_with_different_tiles_per_kernel(device):
-    """dK/dV and dQ with tiles of their own: each gets its own tile map (one is shared when they match)."""
-    gen = generator("skip-tiles", device)
-    (q, k, v), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
-    dout = randn(gen, 1, 2, 80, 16, device=device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("tiles", [((16, 32), (16, 16), (32, 16)), ((32, 16), (16, 32), (16, 32))])
+@pytest.mark.parametrize("power", [2.0, 1.0, 0.5])
+def test_skip_on_and_off_agree_with_batches_gqa_tq_below_tk_and_tiles_per_kernel(device, dtype, tiles, power):
+    """Every kernel with tiles of its own (non-square; a map each, one shared when dK/dV and dQ match),
+    two batches with different maps, 4 query heads on 2 kv heads, Tq = 56 < Tk = 80: the maps' batch,
+    head and row indices must all be right for skip on and off to agree bit for bit."""
+    gen = generator("skip-tiles", device, dtype, tiles, power)
+    qs, ks, vs = [], [], []
+    for _ in range(2):
+        (q, k, v), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
+        qs.append(torch.cat([q, q.flip(-2)], dim=1)[:, :, 24:])  # (1, 4, 56, 16)
+        ks.append(k)
+        vs.append(v)
+    q, k, v = (torch.cat(x).to(dtype).contiguous() for x in (qs, ks, vs))  # (2, 4 or 2, T, 16)
+    k[1] = k[1].flip(-2)  # batch 1's map differs from batch 0's
+    beta = torch.cat([beta, beta.flip(0)])
+    dout = randn(gen, 2, 4, 56, 16, device=device).to(dtype)
     results = []
     for skip in (False, True):
-        cfgs = KernelConfigs(BlockConfig(16, 16, skip_zero=skip), BlockConfig(16, 32, skip_zero=skip),
-                             BlockConfig(32, 16, skip_zero=skip))
-        results.append(triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs))
+        cfgs = KernelConfigs(*(BlockConfig(m, n, skip_zero=skip) for m, n in tiles))
+        out = triton_forward(q, k, v, beta, power, 1.0, cfgs)
+        results.append((out, *triton_backward(q, k, v, beta, power, 1.0, dout, True, cfgs)))
     for a, b in zip(*results):
         assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"

@@ -216,11 +216,12 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
         from lit_thresh.ops.triton_launch import _single_metas, default_configs
 
         cfgs = default_configs(128, torch.float16)
-        cases = [("threshold_fwd_kernel", "fwd", 6, power) for power in (1.0, 2.0, 0.5)]
-        cases += [(name, which, 8, power) for name, which in (("threshold_bwd_dkv_kernel", "bwd_dkv"),
+        cases = [("threshold_fwd_kernel", "fwd", power) for power in (1.0, 2.0, 0.5)]
+        cases += [(name, which, power) for name, which in (("threshold_bwd_dkv_kernel", "bwd_dkv"),
                   ("threshold_bwd_dq_kernel", "bwd_dq")) for power in (1.0, 2.0, 1.5, 0.5)]
-        for name, which, n_ptr, power in cases:
+        for name, which, power in cases:
             kernel, cfg = getattr(tk, name), getattr(cfgs, which)
+            n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
             fwd_meta, bwd_meta = _single_metas(128, 128, power, torch.float16, "ieee", False)
             consts = dict(fwd_meta if which == "fwd" else bwd_meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           SKIP_ZERO=False, USE_TMA=False)
@@ -231,7 +232,8 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
                 if arg in consts:
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
-                    sig[arg] = "*fp32" if arg in ("BETA", "DBETA_ROWS", "ROW_NORMS") else "*fp16"
+                    fp32 = {"BETA": "*fp32", "DBETA_ROWS": "*fp32", "ROW_NORMS": "*fp32", "LIVE": "*i8"}
+                    sig[arg] = fp32.get(arg, "*fp16")
                     attrs[(i,)] = [["tt.divisibility", 16]]
                 else:
                     sig[arg] = "fp64" if arg in ("scale", "power", "gain_coef") else "i32"
