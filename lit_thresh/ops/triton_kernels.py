@@ -123,20 +123,28 @@ def _any_live(x):
 
 
 @triton.jit
+def _live_tile(q, k, tau, margin, real, scale, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """1 (int8) when a real score of the tile may exceed tau: scale q.k - tau > -margin, or NaN."""
+    x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    return tl.max(tl.where(real & ~(x <= -margin), 1, 0)).to(tl.int8)
+
+
+@triton.jit
 def threshold_live_tiles_kernel(
-    Q, K, BETA, LIVE,
+    Q, K, BETA, MARGIN, LIVE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     H, GROUP, TQ, TK, scale, gain_coef,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """A kernel's tile map for skip_zero: LIVE (B * H, cdiv(TQ, BLOCK_M), cdiv(TK, BLOCK_N)) int8, zeroed by
-    the caller, gets 1 for each (query tile, key tile) pair that may hold a score above tau. A tile is left
-    0 only when every causal score of its real rows and keys is <= -margin, margin = 1e-2 |scale| max|q_i|
-    max|k_j|, above the difference between this product and the kernel's own of the same tiles (summation
-    order; tf32's operand rounding, up to ~2e-3 relative, included), so that no tile with a weight is ever
-    marked 0; a NaN score marks it 1. Grid (cdiv(TQ, BLOCK_M), B * H)."""
+    """The skip_zero tile map: LIVE (B * H, cdiv(TQ, BLOCK_M), cdiv(TK, BLOCK_N)) int8, zeroed by the
+    caller, gets 1 for each causal (query tile, key tile) pair that may hold a weight. A tile is left 0
+    only when every causal score of its real rows is <= -margin, MARGIN (1,) fp32 = 1e-2 |scale| max|q_i|
+    max|k_j| from the launcher: above the difference between this product and a kernel's own of the same
+    rows and keys (summation order; tf32's operand rounding, up to ~2e-3 relative, included), so no tile
+    with a weight is ever marked 0; a NaN score marks it 1. Only QK^T: no V, no output. Grid
+    (cdiv(TQ, BLOCK_M), B * H)."""
     scale, gain_coef = _as_fp32(scale), _as_fp32(gain_coef)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -148,19 +156,31 @@ def threshold_live_tiles_kernel(
                   TQ, D, BLOCK_M, BLOCK_D, True, False)  # (BLOCK_M, BLOCK_D)
     pos = offs_m + past
     tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
-    q_max = tl.max(_row_norms(q))
+    margin = tl.load(MARGIN)
+    row_real = (offs_m < TQ)[:, None]  # (BLOCK_M, 1)
     k_src = K + b * stride_kb + (h // GROUP) * stride_kh
-    n_tiles = tl.cdiv(TK, BLOCK_N)
-    live_row = LIVE + (pid_bh.to(tl.int64) * tl.cdiv(TQ, BLOCK_M) + pid_m) * n_tiles
-    n_end = tl.minimum(past + pid_m * BLOCK_M + BLOCK_M, TK)  # past the last key any row of the tile sees
-    for start_n in range(0, n_end, BLOCK_N):
+    live_row = LIVE + (pid_bh.to(tl.int64) * tl.cdiv(TQ, BLOCK_M) + pid_m) * tl.cdiv(TK, BLOCK_N)
+    first_row = past + pid_m * BLOCK_M
+    n_full = (first_row + 1) // BLOCK_N * BLOCK_N  # keys [0, n_full) are visible to every row
+    n_end = tl.minimum(first_row + BLOCK_M, TK)
+    for start_n in range(0, n_full, BLOCK_N):
+        k = _seq_tile(k_src, b, h, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, False, False)  # (BLOCK_N, BLOCK_D)
+        tl.store(live_row + start_n // BLOCK_N, _live_tile(q, k, tau, margin, row_real, scale, PRECISION, UPCAST))
+    for start_n in range(n_full, n_end, BLOCK_N):  # the diagonal tiles, causal mask
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _seq_tile(k_src, b, h, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, True, False)  # (BLOCK_N, BLOCK_D)
-        x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        real = (offs_n[None, :] <= pos[:, None]) & (offs_m[:, None] < TQ) & (offs_n[None, :] < TK)
-        margin = 1e-2 * tl.abs(scale) * q_max * tl.max(_row_norms(k))
-        live = tl.max(tl.where(real & ~(x <= -margin), 1, 0))  # NaN: not <= -margin, so live
-        tl.store(live_row + start_n // BLOCK_N, live.to(tl.int8))
+        k = _seq_tile(k_src, b, h, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, True, False)
+        real = row_real & (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < TK)
+        tl.store(live_row + start_n // BLOCK_N, _live_tile(q, k, tau, margin, real, scale, PRECISION, UPCAST))
+
+
+@triton.jit
+def _tile_list(LUT, COUNTS, row, row_len, SKIP_ZERO: tl.constexpr):
+    """SKIP_ZERO: (pointer to row `row` of the tile lists LUT (rows of row_len int32), its length); else
+    (LUT, 0), unused."""
+    if SKIP_ZERO:
+        return LUT + row * row_len, tl.load(COUNTS + row)
+    else:
+        return LUT, 0
 
 
 @triton.jit
@@ -271,21 +291,22 @@ def _fwd_tile(
 @triton.jit
 def _fwd_inner(
     acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-    TK, scale, power, live_row, lo, hi,
+    TK, scale, power, lut, count, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """acc + P V over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales; P_SCALED: P's rows
-    are multiplied by p_mul (BLOCK_M,) before the cast. SKIP_ZERO: only the tiles that the tile map
-    (live_row: this query tile's row) marks live, decided before any load."""
-    for start_n in range(lo, hi, BLOCK_N):
-        if SKIP_ZERO:
-            if tl.load(live_row + start_n // BLOCK_N) != 0:
-                acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                                TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
-                                P_SCALED, PRECISION, UPCAST, USE_TMA)
-        else:
+    are multiplied by p_mul (BLOCK_M,) before the cast. SKIP_ZERO: instead only the count key tiles listed
+    (ascending tile indices) at lut, decided before any load; a plain loop, so loads stay pipelined."""
+    if SKIP_ZERO:
+        for i in range(0, count):
+            start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
+            acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+                            TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
+                            P_SCALED, PRECISION, UPCAST, USE_TMA)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
             acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
                             TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
                             P_SCALED, PRECISION, UPCAST, USE_TMA)
@@ -294,7 +315,7 @@ def _fwd_inner(
 
 @triton.jit
 def threshold_fwd_kernel(
-    Q, K, V, O, BETA, ROW_NORMS, LIVE,
+    Q, K, V, O, BETA, ROW_NORMS, LUT, COUNTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -346,13 +367,14 @@ def threshold_fwd_kernel(
             x_scale = (scale * row_scale)[:, None]  # (BLOCK_M, 1)
             tau = tau * row_scale
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    live_row = LIVE + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * tl.cdiv(TK, BLOCK_N)  # unless SKIP_ZERO: unused
+    lut, count = _tile_list(LUT, COUNTS, pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, tl.cdiv(TK, BLOCK_N),
+                            SKIP_ZERO)
     acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, x_scale, power, live_row, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     TK, x_scale, power, lut, count, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                      False, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, x_scale, power, live_row, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                     True, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+                     TK, x_scale, power, lut, count, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     True, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, False, USE_TMA)
     if ROW_SCALE:
         acc = acc * tl.exp2(e)[:, None]
 
@@ -397,21 +419,22 @@ def _bwd_dkv_tile(
 @triton.jit
 def _bwd_dkv_inner(
     dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, live_col, live_stride, lo, hi,
+    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Over query tiles [lo, hi); SKIP_ZERO: only those the tile map (live_col: this key tile's column,
-    live_stride apart per query tile) marks live, decided before any load."""
-    for start_m in range(lo, hi, BLOCK_M):
-        if SKIP_ZERO:
-            if tl.load(live_col + (start_m // BLOCK_M) * live_stride) != 0:
-                dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                                       stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
-                                       D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                                       FP16_RANGE, PRECISION, UPCAST, USE_TMA)
-        else:
+    """Over query tiles [lo, hi); SKIP_ZERO: instead only the count query tiles listed (ascending tile
+    indices) at lut, decided before any load."""
+    if SKIP_ZERO:
+        for i in range(0, count):
+            start_m = tl.multiple_of(tl.load(lut + i) * BLOCK_M, BLOCK_M)
+            dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                   stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                   FP16_RANGE, PRECISION, UPCAST, USE_TMA)
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
                                    stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
                                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
@@ -421,7 +444,7 @@ def _bwd_dkv_inner(
 
 @triton.jit
 def threshold_bwd_dkv_kernel(
-    Q, K, V, dO, dK, dV, BETA, ROW_NORMS, LIVE,
+    Q, K, V, dO, dK, dV, BETA, ROW_NORMS, LUT, COUNTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -481,19 +504,19 @@ def threshold_bwd_dkv_kernel(
         ds_mul = tl.exp2(-ds_exp)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
-    n_tiles = tl.cdiv(TK, BLOCK_N)  # the tile map's row length
     for g in range(GROUP):
         h = hk * GROUP + g
         beta = tl.load(BETA + h)
         q_src = _head_src(Q, b, h, stride_qb, stride_qh, USE_TMA)
         do_src = _head_src(dO, b, h, stride_dob, stride_doh, USE_TMA)
-        live_col = LIVE + (b * HKV * GROUP + h) * tl.cdiv(TQ, BLOCK_M) * n_tiles + pid_n  # unless SKIP_ZERO: unused
+        lut, count = _tile_list(LUT, COUNTS, (b * HKV * GROUP + h) * tl.num_programs(0) + pid_n, tl.cdiv(TQ, BLOCK_M),
+                                SKIP_ZERO)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, live_col, n_tiles, m_lo, m_full,
+                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, m_lo, m_full,
                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+                                True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, False, USE_TMA)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, live_col, n_tiles, m_full, TQ,
+                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, m_full, TQ,
                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                 False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     dk = dk * scale
@@ -542,21 +565,22 @@ def _bwd_dq_tile(
 @triton.jit
 def _bwd_dq_inner(
     dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-    TK, scale, power, live_row, lo, hi,
+    TK, scale, power, lut, count, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, DS_SCALED: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales. SKIP_ZERO: only the tiles that
-    the tile map (live_row: this query tile's row) marks live, decided before any load."""
-    for start_n in range(lo, hi, BLOCK_N):
-        if SKIP_ZERO:
-            if tl.load(live_row + start_n // BLOCK_N) != 0:
-                dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
-                                          stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
-                                          BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
-                                          BETA_GRAD, USE_TMA)
-        else:
+    """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales. SKIP_ZERO: instead only the
+    count key tiles listed (ascending tile indices) at lut, decided before any load."""
+    if SKIP_ZERO:
+        for i in range(0, count):
+            start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
+            dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                                      stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
+                                      BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                                      BETA_GRAD, USE_TMA)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
             dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
                                       stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
                                       BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
@@ -566,7 +590,7 @@ def _bwd_dq_inner(
 
 @triton.jit
 def threshold_bwd_dq_kernel(
-    Q, K, V, dO, dQ, DBETA_ROWS, BETA, ROW_NORMS, LIVE,
+    Q, K, V, dO, dQ, DBETA_ROWS, BETA, ROW_NORMS, LUT, COUNTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -624,15 +648,16 @@ def threshold_bwd_dq_kernel(
             ds_mul = tl.exp2(-ds_exp)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    live_row = LIVE + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * tl.cdiv(TK, BLOCK_N)  # unless SKIP_ZERO: unused
+    lut, count = _tile_list(LUT, COUNTS, pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, tl.cdiv(TK, BLOCK_N),
+                            SKIP_ZERO)
     dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt,
-                               stride_vd, TK, x_scale, power, live_row, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               stride_vd, TK, x_scale, power, lut, count, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                False, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
                                BETA_GRAD, SKIP_ZERO, USE_TMA)
     dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt,
-                               stride_vd, TK, x_scale, power, live_row, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               stride_vd, TK, x_scale, power, lut, count, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                True, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
-                               BETA_GRAD, SKIP_ZERO, USE_TMA)
+                               BETA_GRAD, False, USE_TMA)
     dq = dq * scale
     if ROW_SCALE:
         dq = dq * tl.exp2(ds_exp)[:, None]

@@ -168,22 +168,51 @@ def _launch_meta(cfg: BlockConfig) -> dict:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, cfg: BlockConfig,
+def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, grain: tuple[int, int],
                kw: dict) -> torch.Tensor:
-    """A kernel's tile map for skip_zero at its (block_m, block_n) tiles: (B * Hq, cdiv(Tq, block_m),
-    cdiv(Tk, block_n)) int8, 1 where the (query tile, key tile) pair may hold a weight, 0 where every causal
-    score is below tau (threshold_live_tiles_kernel, with that kernel's warps and stages). kw: that
-    kernel's constexprs."""
-    b, hq, tq, d = q.shape
+    """The skip_zero tile map at (block_m, block_n) = grain: (B * Hq, cdiv(Tq, block_m), cdiv(Tk, block_n))
+    int8, 1 where the causal (query tile, key tile) pair may hold a weight, 0 where every score is below
+    tau by more than the rounding margin (threshold_live_tiles_kernel; its QK^T is the whole cost). kw: the
+    constexprs of a kernel of this problem (D, BLOCK_D, PRECISION, UPCAST)."""
+    b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
-    n_m = -(-tq // cfg.block_m)
-    live = torch.zeros(b * hq, n_m, -(-tk // cfg.block_n), device=q.device, dtype=torch.int8)
+    m, n = grain
+    n_m = -(-tq // m)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=wide).amax().float() for x in (q, k)]  # no host sync
+    margin = (norms[0] * norms[1] * (1e-2 * abs(scale))).reshape(1)  # (1,) float32
+    live = torch.zeros(b * hq, n_m, -(-tk // n), device=q.device, dtype=torch.int8)
     threshold_live_tiles_kernel[(n_m, b * hq)](
-        q, k, beta, live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / d,
-        D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=kw["PRECISION"],
-        UPCAST=kw["UPCAST"], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q, k, beta, margin, live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / kw["D"],
+        D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=m, BLOCK_N=n, PRECISION=kw["PRECISION"], UPCAST=kw["UPCAST"],
+        num_warps=4 if m * n <= 64 * 64 else 8, num_stages=3,
     )
     return live
+
+
+def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq: int, tk: int,
+               by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel's skip_zero work lists from the tile map `live` (live_tiles at `grain`, whose sizes divide
+    the kernel's block sizes): for each row of its grid, the ascending indices of the tiles of its unmasked
+    loop (the masked diagonal tiles always run) that may hold a weight, and their count. by_key (the dK/dV
+    kernel): a row per (batch, query head, key tile) listing query tiles; else a row per (batch, query
+    head, query tile) listing key tiles. Returns (lists (rows, row length) int32, counts (rows,) int32)."""
+    bm, bn = cfg.block_m, cfg.block_n
+    gm, gn = grain
+    n_m, n_n = -(-tq // bm), -(-tk // bn)
+    x = torch.nn.functional.pad(live, (0, n_n * (bn // gn) - live.shape[2], 0, n_m * (bm // gm) - live.shape[1]))
+    x = x.view(-1, n_m, bm // gm, n_n, bn // gn).amax(dim=(2, 4)).bool()  # (B * Hq, n_m, n_n) at the kernel's tiles
+    past = tk - tq
+    m = torch.arange(n_m, device=live.device)
+    n = torch.arange(n_n, device=live.device)
+    if by_key:  # the kernel's unmasked query tiles of key tile n start at m_full (threshold_bwd_dkv_kernel)
+        m_full = ((n * bn + bn - 1 - past).clamp(min=0) + bm - 1) // bm * bm
+        x = x.transpose(1, 2) & (m[None, :] >= ((m_full.clamp(max=tq) + bm - 1) // bm)[:, None])  # (B * Hq, n_n, n_m)
+    else:  # the unmasked key tiles of query tile m end at n_full (threshold_fwd_kernel, threshold_bwd_dq_kernel)
+        x = x & (n[None, :] < ((past + m * bm + 1) // bn)[:, None])  # (B * Hq, n_m, n_n)
+    counts = x.sum(dim=-1, dtype=torch.int32).flatten()
+    lists = torch.argsort(x.to(torch.int8), dim=-1, descending=True, stable=True)  # live tiles first, ascending
+    return lists.to(torch.int32).flatten(0, 1).contiguous(), counts
 
 
 def triton_forward(
@@ -204,9 +233,12 @@ def triton_forward(
     bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
     srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
     k_norms = _row_norms(k).contiguous() if kw["ROW_SCALE"] else beta  # (B, Hkv, Tk); beta: unused
-    live = live_tiles(q, k, beta, scale, cfg, kw) if cfg.skip_zero else beta  # beta: unused
+    lists = counts = beta  # unused unless skip_zero
+    if cfg.skip_zero:
+        grain = (cfg.block_m, cfg.block_n)
+        lists, counts = tile_lists(live_tiles(q, k, beta, scale, grain, kw), grain, cfg, tq, tk, by_key=False)
     threshold_fwd_kernel[grid](
-        *srcs, out, beta, k_norms, live,
+        *srcs, out, beta, k_norms, lists, counts,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
         USE_TMA=use_tma, **kw,
@@ -239,11 +271,19 @@ def triton_backward(
     inputs = (q, k, v, dout)
     bd, bdv = dq_kw["BLOCK_D"], dq_kw["BLOCK_DV"]
 
+    dkv_lists = dkv_counts = dq_lists = dq_counts = beta  # unused unless skip_zero
+    skipping = [cfg for cfg in (dkv_cfg, dq_cfg) if cfg.skip_zero]
+    if skipping:  # one map at the finest tiles of the two kernels
+        grain = (min(cfg.block_m for cfg in skipping), min(cfg.block_n for cfg in skipping))
+        live = live_tiles(q, k, beta, scale, grain, dq_kw)
+        if dkv_cfg.skip_zero:
+            dkv_lists, dkv_counts = tile_lists(live, grain, dkv_cfg, tq, tk, by_key=True)
+        if dq_cfg.skip_zero:
+            dq_lists, dq_counts = tile_lists(live, grain, dq_cfg, tq, tk, by_key=False)
     m, n = dkv_cfg.block_m, dkv_cfg.block_n
-    dkv_live = live_tiles(q, k, beta, scale, dkv_cfg, dkv_kw) if dkv_cfg.skip_zero else beta  # beta: unused
     srcs, use_tma = _sources(dkv_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dkv_kernel[(-(-tk // n), b * hkv)](
-        *srcs, dk, dval, beta, qdo_norms, dkv_live,
+        *srcs, dk, dval, beta, qdo_norms, dkv_lists, dkv_counts,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dval.stride(),
         hkv, hq // hkv, *scalars,
         USE_TMA=use_tma, **dkv_kw,
@@ -251,15 +291,9 @@ def triton_backward(
 
     dbeta_rows = torch.empty(b * hq, tq, device=q.device, dtype=torch.float32) if need_dbeta else dq
     m, n = dq_cfg.block_m, dq_cfg.block_n
-    if not dq_cfg.skip_zero:
-        dq_live = beta  # unused
-    elif dkv_cfg.skip_zero and (m, n) == (dkv_cfg.block_m, dkv_cfg.block_n):  # the same tiles: one map
-        dq_live = dkv_live
-    else:
-        dq_live = live_tiles(q, k, beta, scale, dq_cfg, dq_kw)
     srcs, use_tma = _sources(dq_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dq_kernel[(-(-tq // m), b * hq)](
-        *srcs, dq, dbeta_rows, beta, kv_norms, dq_live,
+        *srcs, dq, dbeta_rows, beta, kv_norms, dq_lists, dq_counts,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         hq, hq // hkv, *scalars,
         BETA_GRAD=need_dbeta, USE_TMA=use_tma, **dq_kw,

@@ -12,7 +12,7 @@ import torch
 
 from lit_thresh.ops import api, differential_threshold_rela_triton, threshold_attention, threshold_rela_triton
 from lit_thresh.ops.backend import resolve_backend
-from tests.ops.helpers import generator, randn
+from tests.ops.helpers import KERNEL_POINTER_TYPES, generator, randn
 
 
 def _qkv(hq=2, hkv=2, tq=8, tk=8, d=16, dv=16, b=1, dtype=torch.float32):
@@ -171,8 +171,7 @@ def test_kernels_compile_for_hopper(tmp_path):
                 if arg in consts:
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
-                    sig[arg] = {"BETA": "*fp32", "DBETA_ROWS": "*fp32", "ROW_NORMS": "*fp32", "LIVE": "*i8"}.get(
-                        arg, f"*{dtype}")
+                    sig[arg] = POINTER_TYPES.get(arg, f"*{dtype}")
                 elif arg in ("scale", "power", "gain_coef"):
                     sig[arg] = float_type
                 else:
@@ -180,7 +179,7 @@ def test_kernels_compile_for_hopper(tmp_path):
             triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         print("compiled")
         """
-    )
+    ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)

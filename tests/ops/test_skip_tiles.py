@@ -118,13 +118,13 @@ def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(devic
     q = torch.cat([q, q.flip(-2)], dim=1)[:, :, 24:]  # (1, 4, 56, 16): Tq < Tk, GROUP 2
     beta = torch.cat([beta, beta.flip(0)])
     _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
-    live = live_tiles(q, k, beta, 1.0, BlockConfig(block_m, block_n), kw).bool().cpu()
+    live = live_tiles(q, k, beta, 1.0, (block_m, block_n), kw).bool().cpu()
     want = _true_live_tiles(q, k.repeat_interleave(2, dim=1), beta, block_m, block_n).cpu()
     assert live.shape == want.shape and want.any() and (~want).any()
     assert not (want & ~live).any(), "a tile with a weight was marked all-zero"
     assert (live & ~want).sum() <= 0.02 * (~want).sum()
     q[0, 1, 30] = float("nan")
-    live = live_tiles(q, k, beta, 1.0, BlockConfig(block_m, block_n), kw).bool().cpu()
+    live = live_tiles(q, k, beta, 1.0, (block_m, block_n), kw).bool().cpu()
     assert live[1, 30 // block_m, : (24 + 30) // block_n + 1].all()  # every causal key tile of the NaN row
 
 
@@ -154,3 +154,43 @@ def test_skip_on_and_off_agree_with_batches_gqa_tq_below_tk_and_tiles_per_kernel
         results.append((out, *triton_backward(q, k, v, beta, power, 1.0, dout, True, cfgs)))
     for a, b in zip(*results):
         assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"
+
+
+def _kernel_lists(live: torch.Tensor, grain, bm: int, bn: int, tq: int, tk: int, by_key: bool) -> list[list[int]]:
+    """The work lists as the kernels' dense unmasked loops would visit them, tile by tile in plain Python:
+    a tile is listed when any map tile of `grain` inside it is live."""
+    gm, gn = grain
+    n_m, n_n = -(-tq // bm), -(-tk // bn)
+    past = tk - tq
+
+    def alive(r: int, i: int, j: int) -> bool:
+        return bool(live[r, i * bm // gm: (i + 1) * bm // gm, j * bn // gn: (j + 1) * bn // gn].any())
+
+    rows = []
+    for r in range(live.shape[0]):
+        if by_key:  # threshold_bwd_dkv_kernel: query tiles from m_full on
+            for j in range(n_n):
+                m_full = min(-(-max(j * bn + bn - 1 - past, 0) // bm) * bm, tq)
+                rows.append([i for i in range(m_full // bm + (m_full % bm > 0), n_m) if alive(r, i, j)])
+        else:  # threshold_fwd_kernel, threshold_bwd_dq_kernel: key tiles below n_full
+            for i in range(n_m):
+                n_full = (past + i * bm + 1) // bn * bn
+                rows.append([j for j in range(n_full // bn) if alive(r, i, j)])
+    return rows
+
+
+@pytest.mark.parametrize("tq,tk", [(200, 200), (120, 200), (1, 128), (65, 128), (97, 97)])
+@pytest.mark.parametrize("grain,block", [((16, 16), (16, 16)), ((16, 16), (32, 64)), ((16, 32), (64, 32))])
+@pytest.mark.parametrize("by_key", [False, True], ids=["by_query", "by_key"])
+def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, grain, block, by_key):
+    """tile_lists against the kernels' loop bounds written out in Python, on random maps: every live tile
+    of the unmasked loop in ascending order (first `count` entries), nothing else."""
+    from lit_thresh.ops.triton_launch import tile_lists
+
+    gen = generator("tile-lists", tq, tk, grain, block, by_key)
+    live = (torch.rand(3, -(-tq // grain[0]), -(-tk // grain[1]), generator=gen) < 0.3).to(torch.int8)
+    lists, counts = tile_lists(live, grain, BlockConfig(*block), tq, tk, by_key)
+    want = _kernel_lists(live, grain, *block, tq, tk, by_key)
+    assert counts.tolist() == [len(row) for row in want]
+    assert [lists[r, : len(row)].tolist() for r, row in enumerate(want)] == want
+    assert sum(map(len, want)) > 0

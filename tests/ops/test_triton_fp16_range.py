@@ -19,7 +19,7 @@ import torch
 
 from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
-from tests.ops.helpers import TOLERANCE, assert_rows_close, generator, randn, reference_with_grads, rel_err
+from tests.ops.helpers import KERNEL_POINTER_TYPES, TOLERANCE, assert_rows_close, generator, randn, reference_with_grads, rel_err
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 FP16_MAX = 65504.0
@@ -232,8 +232,7 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
                 if arg in consts:
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
-                    fp32 = {"BETA": "*fp32", "DBETA_ROWS": "*fp32", "ROW_NORMS": "*fp32", "LIVE": "*i8"}
-                    sig[arg] = fp32.get(arg, "*fp16")
+                    sig[arg] = POINTER_TYPES.get(arg, "*fp16")
                     attrs[(i,)] = [["tt.divisibility", 16]]
                 else:
                     sig[arg] = "fp64" if arg in ("scale", "power", "gain_coef") else "i32"
@@ -248,7 +247,7 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
             assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)
         print("compiled")
         """
-    )
+    ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
