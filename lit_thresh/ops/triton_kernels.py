@@ -15,9 +15,10 @@ dS has no such bound (x^(p-1) grows without limit as x -> 0+): the backward then
 its own row maxima (FP16_RANGE, _dot_acc), at the cost of a separate product per tile.
 
 NaN in q, k or beta gives NaN, as ReLU(NaN) = NaN in the math; keys past a query's position are set to
-x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a kernel skips
-the tiles, loads included, that a pre-pass (threshold_live_tiles_kernel) mapped as all scores <= 0 (P exactly
-0, no NaN): exact for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without
+x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a kernel's unmasked
+loop runs only over the tiles listed for its row (LUT, COUNTS: triton_launch.tile_lists, from the pre-pass
+threshold_live_tiles_kernel), leaving out, loads included, those whose scores are all <= 0 (P exactly 0, no
+NaN); the diagonal tiles always run. Exact for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without
 skipping). With USE_TMA, the input tiles come through TMA tensor descriptors (zero-filled out of bounds)
 instead of masked pointer loads.
 """
@@ -328,8 +329,8 @@ def threshold_fwd_kernel(
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
     ROW_SCALE (fp16): P rows scaled into fp16's range by a power of two per row, from the key norms
-    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: skip the key tiles that the tile map
-    LIVE (threshold_live_tiles_kernel at these tiles; unused otherwise) marks all-zero, loads included.
+    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: the unmasked loop visits only the key
+    tiles listed in LUT (a row of cdiv(TK, BLOCK_N) per (batch, head, query tile); COUNTS: how many).
     USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
@@ -461,8 +462,8 @@ def threshold_bwd_dkv_kernel(
     them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). ROW_SCALE (fp16, p >= 1): the rows of P^T and
     dS^T scaled into fp16's range by a power of two per key, from the query and dO row norms ROW_NORMS
     (B * HKV * GROUP, 2, TQ) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1): per-tile scaling instead.
-    SKIP_ZERO: skip the query tiles that the tile map LIVE (threshold_live_tiles_kernel at these tiles;
-    unused otherwise) marks all-zero, loads included. USE_TMA: Q, K, V, dO are tensor descriptors."""
+    SKIP_ZERO: the unmasked loop visits only the query tiles listed in LUT (a row of cdiv(TQ, BLOCK_M) per
+    (batch, query head, key tile); COUNTS: how many). USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -606,8 +607,8 @@ def threshold_bwd_dq_kernel(
     -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H).
     ROW_SCALE (fp16, p >= 1): dS rows scaled into fp16's range by a power of two per row, from the key and
     value norms ROW_NORMS (B * H / GROUP, 2, TK) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1):
-    per-tile scaling instead. SKIP_ZERO: skip the key tiles that the tile map LIVE
-    (threshold_live_tiles_kernel at these tiles; unused otherwise) marks all-zero, loads included.
+    per-tile scaling instead. SKIP_ZERO: the unmasked loop visits only the key tiles
+    listed in LUT (a row of cdiv(TK, BLOCK_N) per (batch, head, query tile); COUNTS: how many).
     USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)

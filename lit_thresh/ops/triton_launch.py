@@ -21,10 +21,11 @@ from lit_thresh.ops.triton_kernels import (
 @dataclass(frozen=True)
 class BlockConfig:
     """Tile sizes and launch settings of one kernel. skip_zero: a pre-pass maps the tiles whose rectified
-    scores are all exactly 0 (live_tiles) and the kernel skips them, loads included (the differential op's
-    kernels check each tile in their loop instead; exact either way; the
-    in-loop check this replaced cost 1.5-2x on dense maps and paid only for fp16 maps with ~96% all-zero
-    tiles: lit_thresh/ops/PERF.md; this version is not yet timed).
+    scores are all exactly 0 (live_tiles) and the kernel's unmasked loop runs over a list of the others
+    (tile_lists), loads included; exact. The differential op's kernels check each tile in their loop
+    instead. On one H200 at T = 16384 (lit_thresh/ops/PERF.md v6), forward+backward with skip_zero took
+    1.68-2.15x less time at 99% zero weights, but 1.4-1.7x more at 50-90%, where under 1% of tiles are
+    all zero.
     tma: read the inputs through TMA tensor descriptors where their layout allows it (unit last stride,
     16-byte aligned base and strides, tile rows of at most 256 bytes), else through pointers."""
 
@@ -47,8 +48,8 @@ def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
     """Tiles per kernel for the larger of the q/k and v head dims (cached). fp16/bf16 up to D = 128: the
     fastest config per kernel of the H200 sweep (`python -m lit_thresh.bench --sweep`, T = 4096, B = 4,
     H = 16; ms below, `was` = the previous default; see lit_thresh/ops/PERF.md), with TMA loads where they
-    won by >= 3% (each TMA launch costs host time for its descriptors); skip_zero off (on dense maps it
-    doubled the forward's time). fp32 and D > 128: small-tile starting points, not tuned. Small tiles
+    won by >= 3% (each TMA launch costs host time for its descriptors); skip_zero off (it pays only on
+    maps with most tiles all zero). fp32 and D > 128: small-tile starting points, not tuned. Small tiles
     under the interpreter."""
     return _default_configs(head_dim, dtype, triton_interpreting())
 

@@ -19,7 +19,9 @@ import torch
 
 from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
-from tests.ops.helpers import KERNEL_POINTER_TYPES, TOLERANCE, assert_rows_close, generator, randn, reference_with_grads, rel_err
+from tests.ops.helpers import (
+    KERNEL_POINTER_TYPES, TOLERANCE, assert_rows_close, generator, randn, reference_with_grads, rel_err,
+)
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 FP16_MAX = 65504.0
