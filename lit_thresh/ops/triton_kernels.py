@@ -15,9 +15,12 @@ dS has no such bound (x^(p-1) grows without limit as x -> 0+): the backward then
 its own row maxima (FP16_RANGE, _dot_acc), at the cost of a separate product per tile.
 
 NaN in q, k or beta gives NaN, as ReLU(NaN) = NaN in the math; keys past a query's position are set to
-x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a tile whose
-scores are all <= 0 (P exactly 0, no NaN) skips its products after the score product. With USE_TMA, the
-input tiles come through TMA tensor descriptors (zero-filled out of bounds) instead of masked pointer loads.
+x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a kernel's unmasked
+loop runs only over the tiles listed for its row (LUT, COUNTS: triton_launch.tile_lists, from the pre-pass
+threshold_live_tiles_kernel), leaving out, loads included, those whose scores are all <= 0 (P exactly 0, no
+NaN); the diagonal tiles always run. Exact for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without
+skipping). With USE_TMA, the input tiles come through TMA tensor descriptors (zero-filled out of bounds)
+instead of masked pointer loads.
 """
 
 import triton
@@ -121,6 +124,67 @@ def _any_live(x):
 
 
 @triton.jit
+def _live_tile(q, k, tau, margin, real, scale, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """1 (int8) when a real score of the tile may exceed tau: scale q.k - tau > -margin, or NaN."""
+    x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    return tl.max(tl.where(real & ~(x <= -margin), 1, 0)).to(tl.int8)
+
+
+@triton.jit
+def threshold_live_tiles_kernel(
+    Q, K, BETA, MARGIN, LIVE,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    H, GROUP, TQ, TK, scale, gain_coef,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The skip_zero tile map: LIVE (B * H, cdiv(TQ, BLOCK_M), cdiv(TK, BLOCK_N)) int8, zeroed by the
+    caller, gets 1 for each causal (query tile, key tile) pair that may hold a weight. A tile is left 0
+    only when every causal score of its real rows is <= -margin, MARGIN (1,) fp32 = 1e-2 |scale| max|q_i|
+    max|k_j| from the launcher: above the difference between this product and a kernel's own of the same
+    rows and keys (summation order; tf32's operand rounding, up to ~2e-3 relative, included), so no tile
+    with a weight is ever marked 0; a NaN score marks it 1. Only QK^T: no V, no output. Grid
+    (cdiv(TQ, BLOCK_M), B * H)."""
+    scale, gain_coef = _as_fp32(scale), _as_fp32(gain_coef)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    past = TK - TQ
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = _seq_tile(Q + b * stride_qb + h * stride_qh, b, h, pid_m * BLOCK_M, stride_qt, stride_qd,
+                  TQ, D, BLOCK_M, BLOCK_D, True, False)  # (BLOCK_M, BLOCK_D)
+    pos = offs_m + past
+    tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
+    margin = tl.load(MARGIN)
+    row_real = (offs_m < TQ)[:, None]  # (BLOCK_M, 1)
+    k_src = K + b * stride_kb + (h // GROUP) * stride_kh
+    live_row = LIVE + (pid_bh.to(tl.int64) * tl.cdiv(TQ, BLOCK_M) + pid_m) * tl.cdiv(TK, BLOCK_N)
+    first_row = past + pid_m * BLOCK_M
+    n_full = (first_row + 1) // BLOCK_N * BLOCK_N  # keys [0, n_full) are visible to every row
+    n_end = tl.minimum(first_row + BLOCK_M, TK)
+    for start_n in range(0, n_full, BLOCK_N):
+        k = _seq_tile(k_src, b, h, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, False, False)  # (BLOCK_N, BLOCK_D)
+        tl.store(live_row + start_n // BLOCK_N, _live_tile(q, k, tau, margin, row_real, scale, PRECISION, UPCAST))
+    for start_n in range(n_full, n_end, BLOCK_N):  # the diagonal tiles, causal mask
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _seq_tile(k_src, b, h, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, True, False)
+        real = row_real & (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < TK)
+        tl.store(live_row + start_n // BLOCK_N, _live_tile(q, k, tau, margin, real, scale, PRECISION, UPCAST))
+
+
+@triton.jit
+def _tile_list(LUT, COUNTS, row, row_len, SKIP_ZERO: tl.constexpr):
+    """SKIP_ZERO: (pointer to row `row` of the tile lists LUT (rows of row_len int32), its length); else
+    (LUT, 0), unused."""
+    if SKIP_ZERO:
+        return LUT + row * row_len, tl.load(COUNTS + row)
+    else:
+        return LUT, 0
+
+
+@triton.jit
 def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b on tensor cores. UPCAST (the interpreter with bf16 only: it cannot multiply bf16)
     multiplies the same bf16-rounded values in fp32."""
@@ -208,33 +272,51 @@ def _fp16_exp(log2_bound):
 
 
 @triton.jit
+def _fwd_tile(
+    acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+    TK, scale, power, start_n,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """acc + P V of the key tile at start_n."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
+    x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    if CAUSAL_MASK:
+        x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
+    return _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
+
+
+@triton.jit
 def _fwd_inner(
     acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-    TK, scale, power, lo, hi,
+    TK, scale, power, lut, count, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """acc + P V over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales; P_SCALED: P's rows
-    are multiplied by p_mul (BLOCK_M,) before the cast."""
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
-        v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
-        x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        if CAUSAL_MASK:
-            x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
-        if SKIP_ZERO:
-            if _any_live(x):
-                acc = _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
-        else:
-            acc = _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
+    are multiplied by p_mul (BLOCK_M,) before the cast. SKIP_ZERO: instead only the count key tiles listed
+    (ascending tile indices) at lut, decided before any load; a plain loop, so loads stay pipelined."""
+    if SKIP_ZERO:
+        for i in range(0, count):
+            start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
+            acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+                            TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
+                            P_SCALED, PRECISION, UPCAST, USE_TMA)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+                            TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
+                            P_SCALED, PRECISION, UPCAST, USE_TMA)
     return acc
 
 
 @triton.jit
 def threshold_fwd_kernel(
-    Q, K, V, O, BETA, ROW_NORMS,
+    Q, K, V, O, BETA, ROW_NORMS, LUT, COUNTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -247,8 +329,9 @@ def threshold_fwd_kernel(
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
     ROW_SCALE (fp16): P rows scaled into fp16's range by a power of two per row, from the key norms
-    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: skip the PV product of key tiles
-    whose rectified scores are all exactly 0. USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
+    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: the unmasked loop visits only the key
+    tiles listed in LUT (a row of cdiv(TK, BLOCK_N) per (batch, head, query tile); COUNTS: how many).
+    USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
@@ -285,12 +368,14 @@ def threshold_fwd_kernel(
             x_scale = (scale * row_scale)[:, None]  # (BLOCK_M, 1)
             tau = tau * row_scale
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    lut, count = _tile_list(LUT, COUNTS, pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, tl.cdiv(TK, BLOCK_N),
+                            SKIP_ZERO)
     acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, x_scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     TK, x_scale, power, lut, count, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                      False, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, x_scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                     True, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+                     TK, x_scale, power, lut, count, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     True, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, False, USE_TMA)
     if ROW_SCALE:
         acc = acc * tl.exp2(e)[:, None]
 
@@ -312,35 +397,55 @@ def _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul, POWER_MODE: tl.
 
 
 @triton.jit
+def _bwd_dkv_tile(
+    dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
+    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """dK, dV accumulators after the query tile at start_m."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _seq_tile(q_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    do = _seq_tile(do_src, b, h, start_m, stride_dot, stride_dod, TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
+    pos = offs_m + past
+    tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
+    x_t = _mma(k, tl.trans(q), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
+    if CAUSAL_MASK:
+        x_t = tl.where(offs_n[:, None] <= pos[None, :], x_t, 0.0)
+    return _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul, POWER_MODE, ROW_SCALE, FP16_RANGE,
+                           PRECISION, UPCAST)
+
+
+@triton.jit
 def _bwd_dkv_inner(
     dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
+    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _seq_tile(q_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
-        do = _seq_tile(do_src, b, h, start_m, stride_dot, stride_dod, TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
-        pos = offs_m + past
-        tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
-        x_t = _mma(k, tl.trans(q), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
-        if CAUSAL_MASK:
-            x_t = tl.where(offs_n[:, None] <= pos[None, :], x_t, 0.0)
-        if SKIP_ZERO:
-            if _any_live(x_t):
-                dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul,
-                                         POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
-        else:
-            dk, dv = _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul,
-                                     POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
+    """Over query tiles [lo, hi); SKIP_ZERO: instead only the count query tiles listed (ascending tile
+    indices) at lut, decided before any load."""
+    if SKIP_ZERO:
+        for i in range(0, count):
+            start_m = tl.multiple_of(tl.load(lut + i) * BLOCK_M, BLOCK_M)
+            dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                   stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                   FP16_RANGE, PRECISION, UPCAST, USE_TMA)
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
+            dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                   stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                   FP16_RANGE, PRECISION, UPCAST, USE_TMA)
     return dk, dv
 
 
 @triton.jit
 def threshold_bwd_dkv_kernel(
-    Q, K, V, dO, dK, dV, BETA, ROW_NORMS,
+    Q, K, V, dO, dK, dV, BETA, ROW_NORMS, LUT, COUNTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -357,8 +462,8 @@ def threshold_bwd_dkv_kernel(
     them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). ROW_SCALE (fp16, p >= 1): the rows of P^T and
     dS^T scaled into fp16's range by a power of two per key, from the query and dO row norms ROW_NORMS
     (B * HKV * GROUP, 2, TQ) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1): per-tile scaling instead.
-    SKIP_ZERO: skip the dV/dP/dS/dK work of query tiles whose rectified scores are all exactly 0.
-    USE_TMA: Q, K, V, dO are tensor descriptors."""
+    SKIP_ZERO: the unmasked loop visits only the query tiles listed in LUT (a row of cdiv(TQ, BLOCK_M) per
+    (batch, query head, key tile); COUNTS: how many). USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -405,12 +510,14 @@ def threshold_bwd_dkv_kernel(
         beta = tl.load(BETA + h)
         q_src = _head_src(Q, b, h, stride_qb, stride_qh, USE_TMA)
         do_src = _head_src(dO, b, h, stride_dob, stride_doh, USE_TMA)
+        lut, count = _tile_list(LUT, COUNTS, (b * HKV * GROUP + h) * tl.num_programs(0) + pid_n, tl.cdiv(TQ, BLOCK_M),
+                                SKIP_ZERO)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, m_lo, m_full,
+                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, m_lo, m_full,
                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+                                True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, False, USE_TMA)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, m_full, TQ,
+                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, m_full, TQ,
                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                 False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     dk = dk * scale
@@ -438,34 +545,53 @@ def _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul, POWER_MODE: tl.conste
 
 
 @triton.jit
+def _bwd_dq_tile(
+    dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+    TK, scale, power, start_n,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, DS_SCALED: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """dQ accumulator and dS row sums after the key tile at start_n; scale: a scalar or (BLOCK_M, 1)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
+    x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    if CAUSAL_MASK:
+        x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
+    return _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION,
+                          UPCAST, BETA_GRAD)
+
+
+@triton.jit
 def _bwd_dq_inner(
     dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-    TK, scale, power, lo, hi,
+    TK, scale, power, lut, count, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, DS_SCALED: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales."""
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
-        v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
-        x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-        if CAUSAL_MASK:
-            x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
-        if SKIP_ZERO:
-            if _any_live(x):
-                dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul,
-                                            POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
-        else:
-            dq, ds_sum = _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul,
-                                        POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST, BETA_GRAD)
+    """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales. SKIP_ZERO: instead only the
+    count key tiles listed (ascending tile indices) at lut, decided before any load."""
+    if SKIP_ZERO:
+        for i in range(0, count):
+            start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
+            dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                                      stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
+                                      BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                                      BETA_GRAD, USE_TMA)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                                      stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
+                                      BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                                      BETA_GRAD, USE_TMA)
     return dq, ds_sum
 
 
 @triton.jit
 def threshold_bwd_dq_kernel(
-    Q, K, V, dO, dQ, DBETA_ROWS, BETA, ROW_NORMS,
+    Q, K, V, dO, dQ, DBETA_ROWS, BETA, ROW_NORMS, LUT, COUNTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -481,8 +607,9 @@ def threshold_bwd_dq_kernel(
     -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H).
     ROW_SCALE (fp16, p >= 1): dS rows scaled into fp16's range by a power of two per row, from the key and
     value norms ROW_NORMS (B * H / GROUP, 2, TK) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1):
-    per-tile scaling instead. SKIP_ZERO: skip the dP/dS/dQ work of all-zero tiles. USE_TMA: Q, K, V, dO
-    are tensor descriptors."""
+    per-tile scaling instead. SKIP_ZERO: the unmasked loop visits only the key tiles
+    listed in LUT (a row of cdiv(TK, BLOCK_N) per (batch, head, query tile); COUNTS: how many).
+    USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -522,14 +649,16 @@ def threshold_bwd_dq_kernel(
             ds_mul = tl.exp2(-ds_exp)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    lut, count = _tile_list(LUT, COUNTS, pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, tl.cdiv(TK, BLOCK_N),
+                            SKIP_ZERO)
     dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt,
-                               stride_vd, TK, x_scale, power, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               stride_vd, TK, x_scale, power, lut, count, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                False, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
                                BETA_GRAD, SKIP_ZERO, USE_TMA)
     dq, ds_sum = _bwd_dq_inner(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt,
-                               stride_vd, TK, x_scale, power, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               stride_vd, TK, x_scale, power, lut, count, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                True, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
-                               BETA_GRAD, SKIP_ZERO, USE_TMA)
+                               BETA_GRAD, False, USE_TMA)
     dq = dq * scale
     if ROW_SCALE:
         dq = dq * tl.exp2(ds_exp)[:, None]

@@ -10,14 +10,22 @@ import torch
 import triton
 
 from lit_thresh.ops.backend import triton_interpreting
-from lit_thresh.ops.triton_kernels import threshold_bwd_dkv_kernel, threshold_bwd_dq_kernel, threshold_fwd_kernel
+from lit_thresh.ops.triton_kernels import (
+    threshold_bwd_dkv_kernel,
+    threshold_bwd_dq_kernel,
+    threshold_fwd_kernel,
+    threshold_live_tiles_kernel,
+)
 
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """Tile sizes and launch settings of one kernel. skip_zero: skip the products after the score product
-    on tiles whose rectified scores are all exactly 0 (exact either way; on the H200 it cost 1.5-2x on
-    dense maps and paid only for fp16 maps with ~96% all-zero tiles: lit_thresh/ops/PERF.md).
+    """Tile sizes and launch settings of one kernel. skip_zero: a pre-pass maps the tiles whose rectified
+    scores are all exactly 0 (live_tiles) and the kernel's unmasked loop runs over a list of the others
+    (tile_lists), loads included; exact. The differential op's kernels check each tile in their loop
+    instead. On one H200 at T = 16384 (lit_thresh/ops/PERF.md v6), forward+backward with skip_zero took
+    1.68-2.15x less time at 99% zero weights, but 1.4-1.7x more at 50-90%, where under 1% of tiles are
+    all zero.
     tma: read the inputs through TMA tensor descriptors where their layout allows it (unit last stride,
     16-byte aligned base and strides, tile rows of at most 256 bytes), else through pointers."""
 
@@ -40,8 +48,8 @@ def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
     """Tiles per kernel for the larger of the q/k and v head dims (cached). fp16/bf16 up to D = 128: the
     fastest config per kernel of the H200 sweep (`python -m lit_thresh.bench --sweep`, T = 4096, B = 4,
     H = 16; ms below, `was` = the previous default; see lit_thresh/ops/PERF.md), with TMA loads where they
-    won by >= 3% (each TMA launch costs host time for its descriptors); skip_zero off (on dense maps it
-    doubled the forward's time). fp32 and D > 128: small-tile starting points, not tuned. Small tiles
+    won by >= 3% (each TMA launch costs host time for its descriptors); skip_zero off (it pays only on
+    maps with most tiles all zero). fp32 and D > 128: small-tile starting points, not tuned. Small tiles
     under the interpreter."""
     return _default_configs(head_dim, dtype, triton_interpreting())
 
@@ -161,6 +169,53 @@ def _launch_meta(cfg: BlockConfig) -> dict:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, grain: tuple[int, int],
+               kw: dict) -> torch.Tensor:
+    """The skip_zero tile map at (block_m, block_n) = grain: (B * Hq, cdiv(Tq, block_m), cdiv(Tk, block_n))
+    int8, 1 where the causal (query tile, key tile) pair may hold a weight, 0 where every score is below
+    tau by more than the rounding margin (threshold_live_tiles_kernel; its QK^T is the whole cost). kw: the
+    constexprs of a kernel of this problem (D, BLOCK_D, PRECISION, UPCAST)."""
+    b, hq, tq, _ = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    m, n = grain
+    n_m = -(-tq // m)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=wide).amax().float() for x in (q, k)]  # no host sync
+    margin = (norms[0] * norms[1] * (1e-2 * abs(scale))).reshape(1)  # (1,) float32
+    live = torch.zeros(b * hq, n_m, -(-tk // n), device=q.device, dtype=torch.int8)
+    threshold_live_tiles_kernel[(n_m, b * hq)](
+        q, k, beta, margin, live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / kw["D"],
+        D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=m, BLOCK_N=n, PRECISION=kw["PRECISION"], UPCAST=kw["UPCAST"],
+        num_warps=4 if m * n <= 64 * 64 else 8, num_stages=3,
+    )
+    return live
+
+
+def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq: int, tk: int,
+               by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel's skip_zero work lists from the tile map `live` (live_tiles at `grain`, whose sizes divide
+    the kernel's block sizes): for each row of its grid, the ascending indices of the tiles of its unmasked
+    loop (the masked diagonal tiles always run) that may hold a weight, and their count. by_key (the dK/dV
+    kernel): a row per (batch, query head, key tile) listing query tiles; else a row per (batch, query
+    head, query tile) listing key tiles. Returns (lists (rows, row length) int32, counts (rows,) int32)."""
+    bm, bn = cfg.block_m, cfg.block_n
+    gm, gn = grain
+    n_m, n_n = -(-tq // bm), -(-tk // bn)
+    x = torch.nn.functional.pad(live, (0, n_n * (bn // gn) - live.shape[2], 0, n_m * (bm // gm) - live.shape[1]))
+    x = x.view(-1, n_m, bm // gm, n_n, bn // gn).amax(dim=(2, 4)).bool()  # (B * Hq, n_m, n_n) at the kernel's tiles
+    past = tk - tq
+    m = torch.arange(n_m, device=live.device)
+    n = torch.arange(n_n, device=live.device)
+    if by_key:  # the kernel's unmasked query tiles of key tile n start at m_full (threshold_bwd_dkv_kernel)
+        m_full = ((n * bn + bn - 1 - past).clamp(min=0) + bm - 1) // bm * bm
+        x = x.transpose(1, 2) & (m[None, :] >= ((m_full.clamp(max=tq) + bm - 1) // bm)[:, None])  # (B * Hq, n_n, n_m)
+    else:  # the unmasked key tiles of query tile m end at n_full (threshold_fwd_kernel, threshold_bwd_dq_kernel)
+        x = x & (n[None, :] < ((past + m * bm + 1) // bn)[:, None])  # (B * Hq, n_m, n_n)
+    counts = x.sum(dim=-1, dtype=torch.int32).flatten()
+    lists = torch.argsort(x.to(torch.int8), dim=-1, descending=True, stable=True)  # live tiles first, ascending
+    return lists.to(torch.int32).flatten(0, 1).contiguous(), counts
+
+
 def triton_forward(
     q: torch.Tensor,  # (B, Hq, Tq, D)
     k: torch.Tensor,  # (B, Hkv, Tk, D)
@@ -179,8 +234,12 @@ def triton_forward(
     bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
     srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
     k_norms = _row_norms(k).contiguous() if kw["ROW_SCALE"] else beta  # (B, Hkv, Tk); beta: unused
+    lists = counts = beta  # unused unless skip_zero
+    if cfg.skip_zero:
+        grain = (cfg.block_m, cfg.block_n)
+        lists, counts = tile_lists(live_tiles(q, k, beta, scale, grain, kw), grain, cfg, tq, tk, by_key=False)
     threshold_fwd_kernel[grid](
-        *srcs, out, beta, k_norms,
+        *srcs, out, beta, k_norms, lists, counts,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
         USE_TMA=use_tma, **kw,
@@ -213,10 +272,19 @@ def triton_backward(
     inputs = (q, k, v, dout)
     bd, bdv = dq_kw["BLOCK_D"], dq_kw["BLOCK_DV"]
 
+    dkv_lists = dkv_counts = dq_lists = dq_counts = beta  # unused unless skip_zero
+    skipping = [cfg for cfg in (dkv_cfg, dq_cfg) if cfg.skip_zero]
+    if skipping:  # one map at the finest tiles of the two kernels
+        grain = (min(cfg.block_m for cfg in skipping), min(cfg.block_n for cfg in skipping))
+        live = live_tiles(q, k, beta, scale, grain, dq_kw)
+        if dkv_cfg.skip_zero:
+            dkv_lists, dkv_counts = tile_lists(live, grain, dkv_cfg, tq, tk, by_key=True)
+        if dq_cfg.skip_zero:
+            dq_lists, dq_counts = tile_lists(live, grain, dq_cfg, tq, tk, by_key=False)
     m, n = dkv_cfg.block_m, dkv_cfg.block_n
     srcs, use_tma = _sources(dkv_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dkv_kernel[(-(-tk // n), b * hkv)](
-        *srcs, dk, dval, beta, qdo_norms,
+        *srcs, dk, dval, beta, qdo_norms, dkv_lists, dkv_counts,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dval.stride(),
         hkv, hq // hkv, *scalars,
         USE_TMA=use_tma, **dkv_kw,
@@ -226,7 +294,7 @@ def triton_backward(
     m, n = dq_cfg.block_m, dq_cfg.block_n
     srcs, use_tma = _sources(dq_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dq_kernel[(-(-tq // m), b * hq)](
-        *srcs, dq, dbeta_rows, beta, kv_norms,
+        *srcs, dq, dbeta_rows, beta, kv_norms, dq_lists, dq_counts,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         hq, hq // hkv, *scalars,
         BETA_GRAD=need_dbeta, USE_TMA=use_tma, **dq_kw,

@@ -12,7 +12,7 @@ import torch
 
 from lit_thresh.ops import api, differential_threshold_rela_triton, threshold_attention, threshold_rela_triton
 from lit_thresh.ops.backend import resolve_backend
-from tests.ops.helpers import generator, randn
+from tests.ops.helpers import KERNEL_POINTER_TYPES, generator, randn
 
 
 def _qkv(hq=2, hkv=2, tq=8, tk=8, d=16, dv=16, b=1, dtype=torch.float32):
@@ -144,8 +144,9 @@ def test_dispatch_cuda():
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile every
-    kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed). The bf16
-    case types the float scalars fp64, as torch.compile passes Python floats to user kernels."""
+    kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed), with skip_zero
+    off and (bf16) on, and the skip_zero tile-map pre-pass. The bf16 case types the float scalars fp64, as
+    torch.compile passes Python floats to user kernels."""
     script = textwrap.dedent(
         """
         import itertools, triton
@@ -153,24 +154,24 @@ def test_kernels_compile_for_hopper(tmp_path):
         from triton.compiler import ASTSource
         from lit_thresh.ops import triton_kernels as tk
 
-        pointers = {"threshold_fwd_kernel": 6, "threshold_bwd_dkv_kernel": 8, "threshold_bwd_dq_kernel": 8}
-        for (name, n_ptr), (dtype, d, power_mode, float_type) in itertools.product(
-            pointers.items(), [("fp16", 48, 0, "fp32"), ("bf16", 64, 2, "fp64"), ("fp32", 128, 1, "fp32")]
-        ):
-            kernel = getattr(tk, name)
+        names = ("threshold_fwd_kernel", "threshold_bwd_dkv_kernel", "threshold_bwd_dq_kernel")
+        cases = [(name, dtype, False) for name in names for dtype in ("fp16", "bf16", "fp32")]
+        cases += [(name, "bf16", True) for name in names] + [("threshold_live_tiles_kernel", "fp32", True)]
+        shapes = {"fp16": (48, 0, "fp32"), "bf16": (64, 2, "fp64"), "fp32": (128, 1, "fp32")}
+        for name, dtype, skip in cases:
+            (d, power_mode, float_type), kernel = shapes[dtype], getattr(tk, name)
+            n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
             consts = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
                           BLOCK_M=64, BLOCK_N=64, POWER_MODE=power_mode, ROW_SCALE=dtype == "fp16",
-                          PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=False, USE_TMA=False)
-            if name != "threshold_fwd_kernel":
-                consts["FP16_RANGE"] = False
-            if name == "threshold_bwd_dq_kernel":
-                consts["BETA_GRAD"] = True
+                          PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=skip,
+                          USE_TMA=False, FP16_RANGE=False, BETA_GRAD=True)
+            consts = {arg: value for arg, value in consts.items() if arg in kernel.arg_names}
             sig = {}
             for i, arg in enumerate(kernel.arg_names):
                 if arg in consts:
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
-                    sig[arg] = "*fp32" if arg in ("BETA", "DBETA_ROWS", "ROW_NORMS") else f"*{dtype}"
+                    sig[arg] = POINTER_TYPES.get(arg, f"*{dtype}")
                 elif arg in ("scale", "power", "gain_coef"):
                     sig[arg] = float_type
                 else:
@@ -178,7 +179,7 @@ def test_kernels_compile_for_hopper(tmp_path):
             triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         print("compiled")
         """
-    )
+    ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)

@@ -93,3 +93,104 @@ def test_a_nan_tile_is_not_skipped(device):
         assert dq[0, 0, 70].isnan().all() and dbeta[0].isnan() and not dbeta[1].isnan()
         assert dk[0, 0, :71].isnan().all() and dv[0, 0, :71].isnan().all() and not dv[0, 0, 71:].isnan().any()
         assert not any(g[0, 1].isnan().any() for g in (out, dq, dk, dv))
+
+
+def _true_live_tiles(q, k, beta, block_m: int, block_n: int) -> torch.Tensor:
+    """(B * H, n_m, n_n) bool: the (query tile, key tile) pairs holding a nonzero float64 weight."""
+    w = threshold_attention_weights(q.double(), k.double(), beta.double(), 2.0)  # (B, H, Tq, Tk)
+    tq, tk = w.shape[-2:]
+    n_m, n_n = -(-tq // block_m), -(-tk // block_n)
+    w = F.pad(w, (0, n_n * block_n - tk, 0, n_m * block_m - tq))
+    tiles = w.unflatten(-1, (n_n, block_n)).unflatten(-3, (n_m, block_m))  # (B, H, n_m, bm, n_n, bn)
+    return tiles.ne(0).any(-1).any(-2).flatten(0, 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(device, block_m, block_n):
+    """live_tiles (a kernel's skip_zero map): 1 on every tile with a nonzero weight (it must never
+    drop one), 0 on almost all the others (only scores within its rounding margin of tau count as live
+    beyond them); a NaN score keeps its tile; Tq < Tk and GQA (4 query heads on 2 kv heads)."""
+    from lit_thresh.ops.triton_launch import _problem_plan, live_tiles
+
+    gen = generator("tile-map", device, block_m, block_n)
+    (q, k, _), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
+    q = torch.cat([q, q.flip(-2)], dim=1)[:, :, 24:]  # (1, 4, 56, 16): Tq < Tk, GROUP 2
+    beta = torch.cat([beta, beta.flip(0)])
+    _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
+    live = live_tiles(q, k, beta, 1.0, (block_m, block_n), kw).bool().cpu()
+    want = _true_live_tiles(q, k.repeat_interleave(2, dim=1), beta, block_m, block_n).cpu()
+    assert live.shape == want.shape and want.any() and (~want).any()
+    assert not (want & ~live).any(), "a tile with a weight was marked all-zero"
+    assert (live & ~want).sum() <= 0.02 * (~want).sum()
+    q[0, 1, 30] = float("nan")
+    live = live_tiles(q, k, beta, 1.0, (block_m, block_n), kw).bool().cpu()
+    assert live[1, 30 // block_m, : (24 + 30) // block_n + 1].all()  # every causal key tile of the NaN row
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("tiles", [((16, 32), (16, 16), (32, 16)), ((32, 16), (16, 32), (16, 32))])
+@pytest.mark.parametrize("power", [2.0, 1.0, 0.5])
+def test_skip_on_and_off_agree_with_batches_gqa_tq_below_tk_and_tiles_per_kernel(device, dtype, tiles, power):
+    """Every kernel with tiles of its own (non-square; a map each, one shared when dK/dV and dQ match),
+    two batches with different maps, 4 query heads on 2 kv heads, Tq = 56 < Tk = 80: the maps' batch,
+    head and row indices must all be right for skip on and off to agree bit for bit."""
+    gen = generator("skip-tiles", device, dtype, tiles, power)
+    qs, ks, vs = [], [], []
+    for _ in range(2):
+        (q, k, v), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
+        qs.append(torch.cat([q, q.flip(-2)], dim=1)[:, :, 24:])  # (1, 4, 56, 16)
+        ks.append(k)
+        vs.append(v)
+    q, k, v = (torch.cat(x).to(dtype).contiguous() for x in (qs, ks, vs))  # (2, 4 or 2, T, 16)
+    k[1] = k[1].flip(-2)  # batch 1's map differs from batch 0's
+    beta = torch.cat([beta, beta.flip(0)])
+    dout = randn(gen, 2, 4, 56, 16, device=device).to(dtype)
+    results = []
+    for skip in (False, True):
+        cfgs = KernelConfigs(*(BlockConfig(m, n, skip_zero=skip) for m, n in tiles))
+        out = triton_forward(q, k, v, beta, power, 1.0, cfgs)
+        results.append((out, *triton_backward(q, k, v, beta, power, 1.0, dout, True, cfgs)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"
+
+
+def _kernel_lists(live: torch.Tensor, grain, bm: int, bn: int, tq: int, tk: int, by_key: bool) -> list[list[int]]:
+    """The work lists as the kernels' dense unmasked loops would visit them, tile by tile in plain Python:
+    a tile is listed when any map tile of `grain` inside it is live."""
+    gm, gn = grain
+    n_m, n_n = -(-tq // bm), -(-tk // bn)
+    past = tk - tq
+
+    def alive(r: int, i: int, j: int) -> bool:
+        return bool(live[r, i * bm // gm: (i + 1) * bm // gm, j * bn // gn: (j + 1) * bn // gn].any())
+
+    rows = []
+    for r in range(live.shape[0]):
+        if by_key:  # threshold_bwd_dkv_kernel: query tiles from m_full on
+            for j in range(n_n):
+                m_full = min(-(-max(j * bn + bn - 1 - past, 0) // bm) * bm, tq)
+                rows.append([i for i in range(m_full // bm + (m_full % bm > 0), n_m) if alive(r, i, j)])
+        else:  # threshold_fwd_kernel, threshold_bwd_dq_kernel: key tiles below n_full
+            for i in range(n_m):
+                n_full = (past + i * bm + 1) // bn * bn
+                rows.append([j for j in range(n_full // bn) if alive(r, i, j)])
+    return rows
+
+
+@pytest.mark.parametrize("tq,tk", [(200, 200), (120, 200), (1, 128), (65, 128), (97, 97)])
+@pytest.mark.parametrize("grain,block", [((16, 16), (16, 16)), ((16, 16), (32, 64)), ((16, 32), (64, 32))])
+@pytest.mark.parametrize("by_key", [False, True], ids=["by_query", "by_key"])
+def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, grain, block, by_key):
+    """tile_lists against the kernels' loop bounds written out in Python, on random maps: every live tile
+    of the unmasked loop in ascending order (first `count` entries), nothing else."""
+    from lit_thresh.ops.triton_launch import tile_lists
+
+    gen = generator("tile-lists", tq, tk, grain, block, by_key)
+    live = (torch.rand(3, -(-tq // grain[0]), -(-tk // grain[1]), generator=gen) < 0.3).to(torch.int8)
+    lists, counts = tile_lists(live, grain, BlockConfig(*block), tq, tk, by_key)
+    want = _kernel_lists(live, grain, *block, tq, tk, by_key)
+    assert counts.tolist() == [len(row) for row in want]
+    assert [lists[r, : len(row)].tolist() for r, row in enumerate(want)] == want
+    assert sum(map(len, want)) > 0

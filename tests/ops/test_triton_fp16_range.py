@@ -19,7 +19,9 @@ import torch
 
 from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
-from tests.ops.helpers import TOLERANCE, assert_rows_close, generator, randn, reference_with_grads, rel_err
+from tests.ops.helpers import (
+    KERNEL_POINTER_TYPES, TOLERANCE, assert_rows_close, generator, randn, reference_with_grads, rel_err,
+)
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 FP16_MAX = 65504.0
@@ -216,11 +218,12 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
         from lit_thresh.ops.triton_launch import _single_metas, default_configs
 
         cfgs = default_configs(128, torch.float16)
-        cases = [("threshold_fwd_kernel", "fwd", 6, power) for power in (1.0, 2.0, 0.5)]
-        cases += [(name, which, 8, power) for name, which in (("threshold_bwd_dkv_kernel", "bwd_dkv"),
+        cases = [("threshold_fwd_kernel", "fwd", power) for power in (1.0, 2.0, 0.5)]
+        cases += [(name, which, power) for name, which in (("threshold_bwd_dkv_kernel", "bwd_dkv"),
                   ("threshold_bwd_dq_kernel", "bwd_dq")) for power in (1.0, 2.0, 1.5, 0.5)]
-        for name, which, n_ptr, power in cases:
+        for name, which, power in cases:
             kernel, cfg = getattr(tk, name), getattr(cfgs, which)
+            n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
             fwd_meta, bwd_meta = _single_metas(128, 128, power, torch.float16, "ieee", False)
             consts = dict(fwd_meta if which == "fwd" else bwd_meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           SKIP_ZERO=False, USE_TMA=False)
@@ -231,7 +234,7 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
                 if arg in consts:
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
-                    sig[arg] = "*fp32" if arg in ("BETA", "DBETA_ROWS", "ROW_NORMS") else "*fp16"
+                    sig[arg] = POINTER_TYPES.get(arg, "*fp16")
                     attrs[(i,)] = [["tt.divisibility", 16]]
                 else:
                     sig[arg] = "fp64" if arg in ("scale", "power", "gain_coef") else "i32"
@@ -246,7 +249,7 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
             assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)
         print("compiled")
         """
-    )
+    ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
