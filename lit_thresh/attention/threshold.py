@@ -83,10 +83,11 @@ class ThresholdMap(nn.Module):
             q = q * self.log_scale.exp()[:, None, None]  # (H, 1, 1) over (B, H, Tq, D)
         return q.to(dtype), k
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) -> (B, H, Tq, Dv), causal."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skip_zero: bool = False) -> torch.Tensor:
+        """q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) -> (B, H, Tq, Dv), causal; skip_zero: as
+        lit_thresh.ops.threshold_attention."""
         q, k = self.prepare(q, k)
-        return threshold_attention(q, k, v, self.beta, self.power, scale=self.scale)
+        return threshold_attention(q, k, v, self.beta, self.power, scale=self.scale, skip_zero=skip_zero)
 
     def weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The map `forward` applies to v, as `threshold_attention_reference` computes it, in at least
@@ -111,7 +112,9 @@ class ThresholdAttention(Attention):
 
     Variant kwargs: see ThresholdMap. With qk_norm the scores are cosines in [-1, 1], so beta and
     scale set the threshold in cosine units (beta / scale times the noise level sqrt(2 ln(i + 1) / Dq)
-    of i random unit vectors' cosines); without it, scale = 1 leaves q.k unscaled.
+    of i random unit vectors' cosines); without it, scale = 1 leaves q.k unscaled. skip_zero: the
+    kernels skip the tiles whose weights are all exactly 0 (the same output): faster for a model whose
+    maps are ~99% zeros, slower for denser ones (lit_thresh.ops.threshold_attention).
     """
 
     max_head_dim = MAX_HEAD_DIM  # the ops' limit
@@ -131,8 +134,12 @@ class ThresholdAttention(Attention):
         out_norm: bool = True,
         scale: float = 1.0,
         learn_scale: bool = False,
+        skip_zero: bool = False,
     ) -> None:
         super().__init__(d_model, n_heads, layer_index, n_kv_heads=n_kv_heads, key_conv=key_conv)
+        if not isinstance(skip_zero, bool):
+            raise TypeError(f"skip_zero must be a bool, got {type(skip_zero).__name__}")
+        self.skip_zero = skip_zero
         self.threshold = ThresholdMap(
             n_heads,
             beta=beta,
@@ -145,7 +152,7 @@ class ThresholdAttention(Attention):
         self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-5) if out_norm else nn.Identity()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.out_norm(self.threshold(q, k, v))  # (B, H, Tq, Dh)
+        return self.out_norm(self.threshold(q, k, v, self.skip_zero))  # (B, H, Tq, Dh)
 
     def attention_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return self.threshold.weights(q, k)  # (B, H, Tq, Tk)

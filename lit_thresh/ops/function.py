@@ -35,14 +35,16 @@ def _forward(
     power: float,
     scale: float,
     backend: str,
+    skip_zero: bool = False,
 ) -> torch.Tensor:
-    """Forward on checked inputs (see api.threshold_attention); backend: 'triton' or 'torch'."""
+    """Forward on checked inputs (see api.threshold_attention); backend: 'triton' or 'torch'; skip_zero:
+    the Triton kernels skip all-zero tiles (the torch backend has nothing to skip)."""
     if q.numel() == 0:
         return _output_like(q, v.shape[-1], backend).zero_()
     if backend == "triton":
         from lit_thresh.ops.triton_launch import triton_forward
 
-        return triton_forward(q, k, v, beta, power, scale)
+        return triton_forward(q, k, v, beta, power, scale, skip_zero=skip_zero)
     return chunked_forward(q, k, v, beta, power, scale)  # (B, Hq, Tq, Dv)
 
 
@@ -56,6 +58,7 @@ def _backward(
     scale: float,
     backend: str,
     need_dbeta: bool,
+    skip_zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbeta) laid out as torch.empty_like(q, k, v, beta); dbeta is zeros unless need_dbeta."""
     if q.numel() == 0:
@@ -63,7 +66,7 @@ def _backward(
     if backend == "triton":
         from lit_thresh.ops.triton_launch import triton_backward
 
-        dq, dk, dv, dbeta = triton_backward(q, k, v, beta, power, scale, dout, need_dbeta)
+        dq, dk, dv, dbeta = triton_backward(q, k, v, beta, power, scale, dout, need_dbeta, skip_zero=skip_zero)
     else:
         dq, dk, dv, dbeta = chunked_backward(q, k, v, beta, power, scale, dout, need_dbeta)
     return dq, dk, dv, dbeta if need_dbeta else torch.zeros_like(beta)
@@ -76,26 +79,26 @@ threshold_attention_backward_op = torch.library.custom_op(
 
 
 @threshold_attention_op.register_fake
-def _(q, k, v, beta, power, scale, backend):
+def _(q, k, v, beta, power, scale, backend, skip_zero=False):
     return _output_like(q, v.shape[-1], backend)
 
 
 @threshold_attention_backward_op.register_fake
-def _(dout, q, k, v, beta, power, scale, backend, need_dbeta):
+def _(dout, q, k, v, beta, power, scale, backend, need_dbeta, skip_zero=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, beta, power, scale, backend = inputs
+    q, k, v, beta, power, scale, backend, skip_zero = inputs
     ctx.save_for_backward(q, k, v, beta)
-    ctx.power, ctx.scale, ctx.backend = power, scale, backend
+    ctx.power, ctx.scale, ctx.backend, ctx.skip_zero = power, scale, backend, skip_zero
 
 
 def _grads(ctx, dout: torch.Tensor, backward=threshold_attention_backward_op):
     q, k, v, beta = ctx.saved_tensors
     need_dbeta = ctx.needs_input_grad[3]
-    dq, dk, dv, dbeta = backward(dout, q, k, v, beta, ctx.power, ctx.scale, ctx.backend, need_dbeta)
-    return dq, dk, dv, dbeta if need_dbeta else None, None, None, None
+    dq, dk, dv, dbeta = backward(dout, q, k, v, beta, ctx.power, ctx.scale, ctx.backend, need_dbeta, ctx.skip_zero)
+    return dq, dk, dv, dbeta if need_dbeta else None, None, None, None, None
 
 
 threshold_attention_op.register_autograd(_grads, setup_context=_setup_context)
@@ -124,13 +127,14 @@ def records_nothing(*inputs: torch.Tensor) -> bool:
 
 
 def threshold_attention_apply(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float, scale: float, backend: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float, scale: float, backend: str,
+    skip_zero: bool = False,
 ) -> torch.Tensor:
     """The op on checked inputs: the custom op while tracing (torch.compile, export, fake tensors),
     else the same code as an autograd.Function, or with no gradient to record (no_grad, inference,
     no input requiring one, no forward-mode tangent) the forward alone."""
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
         if records_nothing(q, k, v, beta):
-            return _forward(q, k, v, beta, power, scale, backend)  # no autograd node
-        return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend)
-    return threshold_attention_op(q, k, v, beta, power, scale, backend)
+            return _forward(q, k, v, beta, power, scale, backend, skip_zero)  # no autograd node
+        return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend, skip_zero)
+    return threshold_attention_op(q, k, v, beta, power, scale, backend, skip_zero)

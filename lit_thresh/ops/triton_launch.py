@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
@@ -52,6 +52,12 @@ def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
     maps with most tiles all zero). fp32 and D > 128: small-tile starting points, not tuned. Small tiles
     under the interpreter."""
     return _default_configs(head_dim, dtype, triton_interpreting())
+
+
+def skip_zero_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
+    """default_configs with skip_zero on in the three kernels."""
+    cfgs = default_configs(head_dim, dtype)
+    return KernelConfigs(*(replace(cfg, skip_zero=True) for cfg in (cfgs.fwd, cfgs.bwd_dkv, cfgs.bwd_dq)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -224,8 +230,12 @@ def triton_forward(
     power: float,
     scale: float,
     configs: KernelConfigs | None = None,
+    skip_zero: bool = False,
 ) -> torch.Tensor:
-    """Forward pass; returns (B, Hq, Tq, Dv) in q's dtype."""
+    """Forward pass; returns (B, Hq, Tq, Dv) in q's dtype. configs: the kernels' tiles (None: the
+    defaults, with skip_zero on where skip_zero is true)."""
+    if skip_zero and configs is None:
+        configs = skip_zero_configs(max(q.shape[3], v.shape[3]), q.dtype)
     (cfg, kw), _, _ = _problem_plan(q, v, power, configs)
     b, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -257,8 +267,12 @@ def triton_backward(
     dout: torch.Tensor,  # (B, Hq, Tq, Dv)
     need_dbeta: bool,
     configs: KernelConfigs | None = None,
+    skip_zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Backward pass: (dq, dk, dv, dbeta); dbeta (Hq,) is reduced deterministically from per-row terms."""
+    """Backward pass: (dq, dk, dv, dbeta); dbeta (Hq,) is reduced deterministically from per-row terms.
+    configs, skip_zero: as triton_forward."""
+    if skip_zero and configs is None:
+        configs = skip_zero_configs(max(q.shape[3], v.shape[3]), q.dtype)
     _, (dkv_cfg, dkv_kw), (dq_cfg, dq_kw) = _problem_plan(q, v, power, configs)
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]

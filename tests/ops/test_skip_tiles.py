@@ -194,3 +194,46 @@ def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, gr
     assert counts.tolist() == [len(row) for row in want]
     assert [lists[r, : len(row)].tolist() for r, row in enumerate(want)] == want
     assert sum(map(len, want)) > 0
+
+
+def test_the_public_op_and_the_attention_variant_take_skip_zero(monkeypatch):
+    """threshold_attention(..., skip_zero=True) and ThresholdAttention(skip_zero=True) reach the skipping
+    kernels (their pre-pass runs) and give the same output and gradients, bit for bit, as without it."""
+    from lit_thresh.attention import ThresholdAttention
+    from lit_thresh.ops import threshold_attention
+    from lit_thresh.ops import triton_launch
+
+    calls = []
+    real = triton_launch.live_tiles
+    monkeypatch.setattr(triton_launch, "live_tiles", lambda *args: calls.append(1) or real(*args))
+    gen = generator("skip-api")
+    (q, k, v), beta = _sparse_inputs(gen, "cpu", torch.float32, 80, 16)
+    dout = randn(gen, 1, 2, 80, 16)
+    results = []
+    for skip in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, beta)]
+        out = threshold_attention(*leaves, backend="triton", skip_zero=skip)
+        results.append((out, *torch.autograd.grad(out, leaves, dout)))
+    assert len(calls) == 2  # the forward's pre-pass and the backward's
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+    x = randn(gen, 2, 40, 32)
+    outs = []
+    for skip in (False, True):
+        torch.manual_seed(0)
+        attn = ThresholdAttention(32, 2, beta=2.0, skip_zero=skip)
+        outs.append(attn(x))
+    assert len(calls) == 3 and torch.equal(*outs)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_skip_zero_must_be_a_bool(value):
+    from lit_thresh.attention import ThresholdAttention
+    from lit_thresh.ops import threshold_attention
+
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(TypeError, match="skip_zero must be a bool"):
+        threshold_attention(q, q, q, skip_zero=value)
+    with pytest.raises(TypeError, match="skip_zero must be a bool"):
+        ThresholdAttention(16, 2, skip_zero=value)
