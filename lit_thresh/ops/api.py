@@ -103,9 +103,10 @@ def threshold_attention(
     its gradient when it requires grad. power: p > 0 (1 and 2 are fast paths).
     backend: 'auto' (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else blockwise PyTorch),
     'triton' or 'torch'. Under autocast, q, k and v are cast to the autocast dtype.
-    skip_zero: the Triton kernels find the tiles whose weights are all exactly 0 (one QK^T pre-pass) and
-    skip them; the same result. Pays when most tiles are all zero (1.7-2.2x faster forward+backward at 99%
-    zero weights on an H200), costs time otherwise (0.6-0.7x at 50-90%): lit_thresh/ops/PERF.md v6.
+    skip_zero: the Triton kernels find the tiles whose weights are all exactly 0 (one QK^T pre-pass per
+    call) and skip them; the same result for finite v (and gradient). For training on maps with most tiles
+    all zero: forward+backward took 0.46-0.60x the time at 99% zero weights on an H200, 1.4-1.7x at
+    50-90%; a forward alone (inference, decoding) gains little or loses: lit_thresh/ops/PERF.md v6.
     Returns (B, Hq, Tq, Dv) in the input dtype.
     """
     if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):

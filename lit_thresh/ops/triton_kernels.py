@@ -170,7 +170,7 @@ def threshold_live_tiles_kernel(
     for start_n in range(n_full, n_end, BLOCK_N):  # the diagonal tiles, causal mask
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _seq_tile(k_src, b, h, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, True, False)
-        real = row_real & (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < TK)
+        real = row_real & (offs_n[None, :] <= pos[:, None])  # keys past TK lie past every real row's pos
         tl.store(live_row + start_n // BLOCK_N, _live_tile(q, k, tau, margin, real, scale, PRECISION, UPCAST))
 
 

@@ -24,8 +24,8 @@ class BlockConfig:
     scores are all exactly 0 (live_tiles) and the kernel's unmasked loop runs over a list of the others
     (tile_lists), loads included; exact. The differential op's kernels check each tile in their loop
     instead. On one H200 at T = 16384 (lit_thresh/ops/PERF.md v6), forward+backward with skip_zero took
-    1.68-2.15x less time at 99% zero weights, but 1.4-1.7x more at 50-90%, where under 1% of tiles are
-    all zero.
+    0.46-0.60x the time at 99% zero weights, but 1.4-1.7x at 50-90%, where under 1% of tiles are all
+    zero; the forward alone gains little even at 99% (0.91-1.12x the time).
     tma: read the inputs through TMA tensor descriptors where their layout allows it (unit last stride,
     16-byte aligned base and strides, tile rows of at most 256 bytes), else through pointers."""
 
@@ -55,8 +55,13 @@ def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
 
 
 def skip_zero_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
-    """default_configs with skip_zero on in the three kernels."""
-    cfgs = default_configs(head_dim, dtype)
+    """default_configs with skip_zero on in the three kernels (cached)."""
+    return _skip_zero_configs(head_dim, dtype, triton_interpreting())
+
+
+@functools.lru_cache(maxsize=64)
+def _skip_zero_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> KernelConfigs:
+    cfgs = _default_configs(head_dim, dtype, interpreting)
     return KernelConfigs(*(replace(cfg, skip_zero=True) for cfg in (cfgs.fwd, cfgs.bwd_dkv, cfgs.bwd_dq)))
 
 
@@ -178,8 +183,10 @@ def _launch_meta(cfg: BlockConfig) -> dict:
 def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, grain: tuple[int, int],
                kw: dict) -> torch.Tensor:
     """The skip_zero tile map at (block_m, block_n) = grain: (B * Hq, cdiv(Tq, block_m), cdiv(Tk, block_n))
-    int8, 1 where the causal (query tile, key tile) pair may hold a weight, 0 where every score is below
-    tau by more than the rounding margin (threshold_live_tiles_kernel; its QK^T is the whole cost). kw: the
+    int8, 1 where the causal (query tile, key tile) pair may hold a weight, 0 where every causal score of
+    its real rows has x = scale q.k - tau <= -margin (threshold_live_tiles_kernel; its QK^T is the whole
+    cost). margin = 1e-2 |scale| max|q| max|k| over the whole call, so a NaN or inf anywhere in q or k
+    keeps every tile (nothing is skipped in that call); a NaN beta keeps its head's tiles. kw: the
     constexprs of a kernel of this problem (D, BLOCK_D, PRECISION, UPCAST)."""
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
@@ -206,6 +213,8 @@ def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq:
     head, query tile) listing key tiles. Returns (lists (rows, row length) int32, counts (rows,) int32)."""
     bm, bn = cfg.block_m, cfg.block_n
     gm, gn = grain
+    if bm % gm or bn % gn:
+        raise ValueError(f"skip_zero needs tile sizes that are multiples of the map's {grain}, got ({bm}, {bn})")
     n_m, n_n = -(-tq // bm), -(-tk // bn)
     x = torch.nn.functional.pad(live, (0, n_n * (bn // gn) - live.shape[2], 0, n_m * (bm // gm) - live.shape[1]))
     x = x.view(-1, n_m, bm // gm, n_n, bn // gn).amax(dim=(2, 4)).bool()  # (B * Hq, n_m, n_n) at the kernel's tiles

@@ -42,13 +42,14 @@ def test_opcheck_torch_backend_empty_batch():
     torch.library.opcheck(threshold_attention_op, (q[:0], k[:0], v[:0], beta, *rest))
 
 
-@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
-def test_opcheck_triton_backend(layout):
-    """Under TRITON_INTERPRET=1 on CPU (tests/conftest.py), else on CUDA tensors."""
+@pytest.mark.parametrize("layout,skip_zero", [("bhtd", False), ("bthd", False), ("bhtd", True)])
+def test_opcheck_triton_backend(layout, skip_zero):
+    """Under TRITON_INTERPRET=1 on CPU (tests/conftest.py), else on CUDA tensors; skip_zero: the op's last
+    argument."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, beta, *rest = _op_args("triton", layout=layout, hq=2, hkv=1, tq=3, tk=4, d=16, dv=16)
     q, k, v, beta = (t.detach().to(device).requires_grad_() for t in (q, k, v, beta))
-    torch.library.opcheck(threshold_attention_op, (q, k, v, beta, *rest))
+    torch.library.opcheck(threshold_attention_op, (q, k, v, beta, *rest, skip_zero))
 
 
 def test_fake_tensors_give_shapes_and_dtypes_without_computing():

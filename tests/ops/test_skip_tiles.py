@@ -7,6 +7,8 @@ float32 cases load tiles through pointers, the float16 ones through TMA tensor d
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,6 +130,55 @@ def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(devic
     assert live[1, 30 // block_m, : (24 + 30) // block_n + 1].all()  # every causal key tile of the NaN row
 
 
+def test_the_tile_map_keeps_scores_within_its_margin_of_tau_and_a_nan_beta_head():
+    """A tile whose scores sit just below tau (x = -margin / 2: weight 0 here, but another product's
+    rounding could lift it above) stays live; one 5 margins below is dropped. A NaN beta keeps every causal
+    tile of its head and no other head's."""
+    from lit_thresh.ops.triton_launch import _problem_plan, live_tiles
+
+    t, d = 64, 16
+    u = torch.zeros(d)
+    u[0] = 1.0
+    q = -u.repeat(1, 2, t, 1)  # (1, 2, T, D): every score -1, far below tau
+    k = u.repeat(1, 2, t, 1)
+    beta = torch.tensor([1.0, 1.0])
+    tau = lambda i: math.sqrt(2 * math.log(i + 1) / d)  # beta 1
+    margin = 1e-2  # 1e-2 |scale| max|q| max|k|, all norms 1
+    q[0, :, 40, 0] = tau(40) - margin / 2  # row 40 (query tile 2): x = -margin / 2 on keys 0..40
+    q[0, :, 50, 0] = tau(50) - 5 * margin  # row 50 (query tile 3): x = -5 margins
+    _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
+    live = live_tiles(q, k, beta, 1.0, (16, 16), kw)  # (2, 4, 4)
+    assert live[:, 2, :3].all() and not live[:, 3].any() and not live[:, :2].any()
+    beta[0] = float("nan")
+    live = live_tiles(q, k, beta, 1.0, (16, 16), kw)
+    assert live[0].bool().equal(torch.ones(4, 4, dtype=torch.bool).tril()) and not live[1, 3].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_skip_on_and_off_agree_with_the_default_tiles_on_a_gpu(dtype, d):
+    """The production configs (TMA, 64-128 tiles, pipelined list loops, a map grain shared by dK/dV and
+    dQ) with skip_zero on and off, bit for bit, on a map with most tiles all zero."""
+    from lit_thresh.ops.triton_launch import default_configs, skip_zero_configs
+
+    gen = generator("skip-gpu", dtype, d)
+    t = 1024
+    q, k = (F.normalize(randn(gen, 2, 4, t, d, device="cuda"), dim=-1) for _ in range(2))  # (2, 4, T, D)
+    for i, j in ((t - 1, 5), (600, 300), (900, 899)):
+        k[:, :, j] = q[:, :, i]
+    q, k = q.to(dtype), k.to(dtype)
+    v, dout = (randn(gen, 2, 4, t, d, device="cuda").to(dtype) for _ in range(2))
+    beta = torch.full((4,), 3.0, device="cuda")
+    results = []
+    for cfgs in (default_configs(d, dtype), skip_zero_configs(d, dtype)):
+        out = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
+        results.append((out, *triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs)))
+    assert results[0][0].abs().sum() > 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("tiles", [((16, 32), (16, 16), (32, 16)), ((32, 16), (16, 32), (16, 32))])
@@ -156,7 +207,7 @@ def test_skip_on_and_off_agree_with_batches_gqa_tq_below_tk_and_tiles_per_kernel
         assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"
 
 
-def _kernel_lists(live: torch.Tensor, grain, bm: int, bn: int, tq: int, tk: int, by_key: bool) -> list[list[int]]:
+def _kernel_lists(live: torch.Tensor, grain: tuple[int, int], bm: int, bn: int, tq: int, tk: int, by_key: bool) -> list[list[int]]:
     """The work lists as the kernels' dense unmasked loops would visit them, tile by tile in plain Python:
     a tile is listed when any map tile of `grain` inside it is live."""
     gm, gn = grain
@@ -218,13 +269,16 @@ def test_the_public_op_and_the_attention_variant_take_skip_zero(monkeypatch):
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
-    x = randn(gen, 2, 40, 32)
+    maps = []
+    monkeypatch.setattr(triton_launch, "live_tiles", lambda *args: maps.append(real(*args)) or maps[-1])
+    x = randn(gen, 2, 96, 32)
     outs = []
     for skip in (False, True):
         torch.manual_seed(0)
-        attn = ThresholdAttention(32, 2, beta=2.0, skip_zero=skip)
+        attn = ThresholdAttention(32, 2, beta=1.0, qk_norm=True, skip_zero=skip)
         outs.append(attn(x))
-    assert len(calls) == 3 and torch.equal(*outs)
+    assert len(maps) == 1 and torch.equal(*outs) and outs[0].abs().sum() > 0
+    assert not maps[0][:, 1:, 0].all(), "the model's maps must leave an unmasked tile to skip"  # (B * H, 3, 3)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
