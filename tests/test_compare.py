@@ -353,6 +353,19 @@ def test_plot_against_a_grid_axis_has_a_panel_per_label_and_a_line_per_variant(t
     assert figure.axes[0].get_ylim() == figure.axes[2].get_ylim()  # one y range: the panels compare at a glance
 
 
+def test_plot_lines_stay_apart_past_ten_rows(tmp_path):
+    """12 rows with length test sets: the length panel's 12 lines differ in colour or dash (matplotlib's
+    colour cycle alone repeats after 10)."""
+    rng = torch.Generator().manual_seed(5)
+    rows = [report.Row(f"v{i}", (), (), [fake_result(rng, ["val/acc", "test/acc", "test/len64_n4/acc"])])
+            for i in range(12)]
+    figure = report.plot(tmp_path / "p.png", rows, "val/acc")
+    lines = figure.axes[1].containers  # the length panel: an errorbar per row
+    assert len(lines) == 12
+    styles = {(c.lines[0].get_color(), c.lines[0].get_linestyle()) for c in lines}
+    assert len(styles) == 12
+
+
 def test_plot_panels_share_the_y_range_of_the_panels_with_values(tmp_path):
     """A panel whose runs all logged NaN neither stretches the shared y range (matplotlib's default 0..1)
     nor breaks the plot."""

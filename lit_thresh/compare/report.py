@@ -232,11 +232,11 @@ def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None
     count = len(key_panels) + len(curves)
     figure = Figure(figsize=(5 * count, 4), layout="constrained")
     all_axes = figure.subplots(1, count, squeeze=False)[0]
-    # a key line keeps its colour across the key panels; the length panels number their rows apart (a count
+    # a key line keeps its style across the key panels; the length panels number their rows apart (a count
     # shared with every row label made a key panel's lines collide modulo matplotlib's 10 colours)
     key_lines = list(dict.fromkeys(line for _, by_line in key_panels for line in by_line))
-    colors = {label: f"C{i % 10}" for i, label in enumerate(row.label for row in rows)}
-    colors |= {line: f"C{i % 10}" for i, line in enumerate(key_lines)}
+    styles = {label: _style(i) for i, label in enumerate(row.label for row in rows)}
+    styles |= {line: _style(i) for i, line in enumerate(key_lines)}
     missing = [row.label for row in rows if key_metric not in summaries(row, [key_metric])]
     for ax, (panel, by_line) in zip(all_axes, key_panels):
         title = f"{key_metric}, mean ± std over seeds" + (f", {panel}" if panel else "")
@@ -247,10 +247,10 @@ def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None
         if axes is None:
             bars = by_line.get("", {})
             ax.bar(list(bars), [s.mean for s in bars.values()], yerr=[s.std or 0.0 for s in bars.values()],
-                   capsize=4, color=[colors[label] for label in bars])
+                   capsize=4, color=[styles[label]["color"] for label in bars])
             ax.tick_params(axis="x", labelrotation=20)
         else:
-            _lines_against(ax, by_line, colors, (names or {})[axes.x])
+            _lines_against(ax, by_line, styles, (names or {})[axes.x])
     drawn = [ax for ax in all_axes[: len(key_panels)] if _has_finite_data(ax)]
     if drawn and len(key_panels) > 1:  # one y range for every panel, so that panels compare at a glance (as Zoology's)
         low, high = zip(*(ax.get_ylim() for ax in drawn))
@@ -258,11 +258,16 @@ def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None
             ax.set_ylim(min(low), max(high))
     for ax, (panel, by_row) in zip(all_axes[len(key_panels) :], sorted(curves.items())):
         _lines_against(ax, {row: {str(k): summarize(v) for k, v in by_length.items()} for row, by_length in
-                            by_row.items()}, colors, "sequence length")
+                            by_row.items()}, styles, "sequence length")
         ax.set_ylabel(f"test/{name}")
         ax.set_title(f"test/{name} vs length" + (f", {panel}" if panel else ""))
     figure.savefig(path, dpi=120)
     return figure
+
+
+def _style(i: int) -> dict[str, str]:
+    """Line i's colour and dash: matplotlib's 10 colours solid, then dashed, dotted, dash-dotted (40 apart)."""
+    return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4]}
 
 
 def _has_finite_data(ax: Axes) -> bool:
@@ -272,9 +277,10 @@ def _has_finite_data(ax: Axes) -> bool:
     return any(math.isfinite(y) for y in values)
 
 
-def _lines_against(ax: Axes, by_line: dict[str, dict[str, Summary]], colors: dict[str, str], xlabel: str) -> None:
-    """A line per entry of by_line (x label -> Summary): on a log2 axis where every label is a positive
-    number, else at evenly spaced categories."""
+def _lines_against(ax: Axes, by_line: dict[str, dict[str, Summary]], styles: dict[str, dict[str, str]],
+                   xlabel: str) -> None:
+    """A line per entry of by_line (x label -> Summary), styled by styles[line]: on a log2 axis where every
+    label is a positive number, else at evenly spaced categories."""
     labels = list(dict.fromkeys(label for points in by_line.values() for label in points))
     numbers = [_number(label) for label in labels]
     numeric = all(n is not None and n > 0 for n in numbers)
@@ -284,7 +290,7 @@ def _lines_against(ax: Axes, by_line: dict[str, dict[str, Summary]], colors: dic
     for line, points in by_line.items():
         xs = [label for label in labels if label in points]
         ax.errorbar([position[x] for x in xs], [points[x].mean for x in xs], yerr=[points[x].std or 0.0 for x in xs],
-                    marker="o", capsize=3, label=line, color=colors.get(line))
+                    marker="o", capsize=3, label=line, **styles.get(line, {}))
     if numeric:
         ax.set_xscale("log", base=2)
     ax.set_xticks([position[label] for label in labels], labels, minor=False)
