@@ -179,10 +179,17 @@ def test_skip_on_and_off_agree_with_the_default_tiles_on_a_gpu(dtype, d):
         assert torch.equal(a, b)
 
 
+TILES_A = ((16, 32), (16, 16), (32, 16))  # fwd, dK/dV, dQ: each its own
+TILES_B = ((32, 16), (16, 32), (16, 32))  # dK/dV and dQ alike
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("tiles", [((16, 32), (16, 16), (32, 16)), ((32, 16), (16, 32), (16, 32))])
-@pytest.mark.parametrize("power", [2.0, 1.0, 0.5])
+@pytest.mark.parametrize(  # each dtype, tile set and power at least once (the list loops do not depend on p)
+    "dtype,tiles,power",
+    [(torch.float32, TILES_A, 2.0), (torch.float16, TILES_B, 2.0), (torch.float32, TILES_B, 1.0),
+     (torch.float16, TILES_A, 0.5)],
+    ids=["fp32-A-p2", "fp16-B-p2", "fp32-B-p1", "fp16-A-p0.5"],
+)
 def test_skip_on_and_off_agree_with_batches_gqa_tq_below_tk_and_tiles_per_kernel(device, dtype, tiles, power):
     """Every kernel with tiles of its own (non-square; a map each, one shared when dK/dV and dQ match),
     two batches with different maps, 4 query heads on 2 kv heads, Tq = 56 < Tk = 80: the maps' batch,
