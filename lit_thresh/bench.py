@@ -290,9 +290,9 @@ def sparse_rows(dtype: torch.dtype, d: int, t: int, b: int, h: int, fractions: I
             cfgs = type(base)(*(replace(c, skip_zero=skip) for c in (base.fwd, base.bwd_dkv, base.bwd_dq)))
             fwd = lambda cfgs=cfgs: triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)  # noqa: E731
 
-            def fwd_bwd(cfgs=cfgs):
-                triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
-                return triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs)
+            def fwd_bwd(cfgs=cfgs):  # the backward skips by the forward's map, as in training
+                live = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)[1]
+                return triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=live)
 
             res = Result(f"zeros {target:.0%} skip {'on' if skip else 'off'}", name, d, t, b, h,
                          note=f"measured: {weights_zero:.1%} of weights, {tiles_zero:.1%} of {TILE}x{TILE} tiles zero")
@@ -456,7 +456,7 @@ def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callab
             return lambda: diff_triton_forward(*pairs, configs)
         return lambda: diff_triton_backward(*pairs, dout, True, True, configs)
     if kernel == "fwd":
-        return lambda: triton_forward(q, k, v, beta, 2.0, 1.0, configs)
+        return lambda: triton_forward(q, k, v, beta, 2.0, 1.0, configs)[0]
     return lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, configs)
 
 

@@ -103,10 +103,10 @@ def threshold_attention(
     its gradient when it requires grad. power: p > 0 (1 and 2 are fast paths).
     backend: 'auto' (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else blockwise PyTorch),
     'triton' or 'torch'. Under autocast, q, k and v are cast to the autocast dtype.
-    skip_zero: the Triton kernels find the tiles whose weights are all exactly 0 (one QK^T pre-pass per
-    call) and skip them; the same result for finite v (and gradient). For training on maps with most tiles
-    all zero: forward+backward took 0.46-0.60x the time at 99% zero weights on an H200, 1.4-1.7x at
-    50-90%; a forward alone (inference, decoding) gains little or loses: lit_thresh/ops/PERF.md v6.
+    skip_zero: the Triton forward marks the tiles whose weights are all exactly 0 and the backward skips
+    them; the same result for finite v (and gradient). For training on maps with most tiles all zero:
+    forward+backward took 0.31-0.40x the time at 99% zero weights on an H200, 1.05-1.13x at 50-90%; a
+    call with no gradient to record runs as without it: lit_thresh/ops/PERF.md v7.
     Returns (B, Hq, Tq, Dv) in the input dtype.
     """
     if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):

@@ -3,7 +3,8 @@
 Why `custom_op` rather than `triton_op` + `wrap_triton`: one op serves both backends (the Triton kernels
 and the blockwise PyTorch loop of chunked.py), and torch.compile sees it as one opaque node with a fake
 impl, so it neither retraces the Python block loop nor the kernels' launch logic; both backends behave
-the same under compile, export and CUDA graphs. Only q, k, v and beta are saved; backward recomputes.
+the same under compile, export and CUDA graphs. Only q, k, v and beta are saved, and with skip_zero the
+forward's tile map (an int8 output, not differentiable); backward recomputes.
 Eager calls on plain tensors run the same two functions through an autograd.Function instead
 (`threshold_attention_apply`): the op's Python dispatch would cost several times more host time per call;
 eager calls that cannot record a gradient run the forward alone.
@@ -27,6 +28,11 @@ def _output_like(q: torch.Tensor, dv: int, backend: str) -> torch.Tensor:
     return q.new_empty(b, hq, tq, dv)
 
 
+def _no_map(q: torch.Tensor) -> torch.Tensor:
+    """The map output of a call that writes none: an empty int8 tensor."""
+    return q.new_empty(0, dtype=torch.int8)
+
+
 def _forward(
     q: torch.Tensor,  # (B, Hq, Tq, D)
     k: torch.Tensor,  # (B, Hkv, Tk, D)
@@ -36,16 +42,19 @@ def _forward(
     scale: float,
     backend: str,
     skip_zero: bool = False,
-) -> torch.Tensor:
-    """Forward on checked inputs (see api.threshold_attention); backend: 'triton' or 'torch'; skip_zero:
-    the Triton kernels skip all-zero tiles (the torch backend has nothing to skip)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward on checked inputs (see api.threshold_attention): (out (B, Hq, Tq, Dv), map). backend:
+    'triton' or 'torch'; skip_zero: the Triton forward also writes the tile map its backward skips by
+    (triton_launch.triton_forward); map is empty where none is written (the torch backend has nothing to
+    skip)."""
     if q.numel() == 0:
-        return _output_like(q, v.shape[-1], backend).zero_()
+        return _output_like(q, v.shape[-1], backend).zero_(), _no_map(q)
     if backend == "triton":
         from lit_thresh.ops.triton_launch import triton_forward
 
-        return triton_forward(q, k, v, beta, power, scale, skip_zero=skip_zero)
-    return chunked_forward(q, k, v, beta, power, scale)  # (B, Hq, Tq, Dv)
+        out, live = triton_forward(q, k, v, beta, power, scale, skip_zero=skip_zero)
+        return out, _no_map(q) if live is None else live
+    return chunked_forward(q, k, v, beta, power, scale), _no_map(q)  # (B, Hq, Tq, Dv)
 
 
 def _backward(
@@ -59,14 +68,18 @@ def _backward(
     backend: str,
     need_dbeta: bool,
     skip_zero: bool = False,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dbeta) laid out as torch.empty_like(q, k, v, beta); dbeta is zeros unless need_dbeta."""
+    """(dq, dk, dv, dbeta) laid out as torch.empty_like(q, k, v, beta); dbeta is zeros unless need_dbeta.
+    live: the forward's tile map (empty or None: none)."""
     if q.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(beta)
     if backend == "triton":
         from lit_thresh.ops.triton_launch import triton_backward
 
-        dq, dk, dv, dbeta = triton_backward(q, k, v, beta, power, scale, dout, need_dbeta, skip_zero=skip_zero)
+        live = live if live is not None and live.numel() else None
+        dq, dk, dv, dbeta = triton_backward(q, k, v, beta, power, scale, dout, need_dbeta, skip_zero=skip_zero,
+                                            live=live)
     else:
         dq, dk, dv, dbeta = chunked_backward(q, k, v, beta, power, scale, dout, need_dbeta)
     return dq, dk, dv, dbeta if need_dbeta else torch.zeros_like(beta)
@@ -80,24 +93,31 @@ threshold_attention_backward_op = torch.library.custom_op(
 
 @threshold_attention_op.register_fake
 def _(q, k, v, beta, power, scale, backend, skip_zero=False):
-    return _output_like(q, v.shape[-1], backend)
+    out = _output_like(q, v.shape[-1], backend)
+    if backend != "triton" or not skip_zero or q.numel() == 0:
+        return out, _no_map(q)
+    from lit_thresh.ops.triton_launch import map_shape
+
+    return out, q.new_empty(map_shape(q, k, v), dtype=torch.int8)
 
 
 @threshold_attention_backward_op.register_fake
-def _(dout, q, k, v, beta, power, scale, backend, need_dbeta, skip_zero=False):
+def _(dout, q, k, v, beta, power, scale, backend, need_dbeta, skip_zero=False, live=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, beta, power, scale, backend, skip_zero = inputs
-    ctx.save_for_backward(q, k, v, beta)
+    ctx.save_for_backward(q, k, v, beta, *((output[1],) if skip_zero else ()))
     ctx.power, ctx.scale, ctx.backend, ctx.skip_zero = power, scale, backend, skip_zero
 
 
-def _grads(ctx, dout: torch.Tensor, backward=threshold_attention_backward_op):
-    q, k, v, beta = ctx.saved_tensors
+def _grads(ctx, dout: torch.Tensor, _dmap: torch.Tensor | None = None, backward=threshold_attention_backward_op):
+    q, k, v, beta, *live = ctx.saved_tensors
+    live = live[0] if live else None
     need_dbeta = ctx.needs_input_grad[3]
-    dq, dk, dv, dbeta = backward(dout, q, k, v, beta, ctx.power, ctx.scale, ctx.backend, need_dbeta, ctx.skip_zero)
+    dq, dk, dv, dbeta = backward(dout, q, k, v, beta, ctx.power, ctx.scale, ctx.backend, need_dbeta, ctx.skip_zero,
+                                 live)
     return dq, dk, dv, dbeta if need_dbeta else None, None, None, None, None
 
 
@@ -110,13 +130,13 @@ class _EagerThresholdAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs) -> torch.Tensor:  # not setup_context: Function.apply would inspect.signature
-        out = _forward(*inputs)
-        _setup_context(ctx, inputs, out)
+        out, live = _forward(*inputs)
+        _setup_context(ctx, inputs, (out, live))
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        return _grads(ctx, dout, _backward)
+        return _grads(ctx, dout, None, _backward)
 
 
 def records_nothing(*inputs: torch.Tensor) -> bool:
@@ -134,7 +154,7 @@ def threshold_attention_apply(
     else the same code as an autograd.Function, or with no gradient to record (no_grad, inference,
     no input requiring one, no forward-mode tangent) the forward alone."""
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
-        if records_nothing(q, k, v, beta):
-            return _forward(q, k, v, beta, power, scale, backend, skip_zero)  # no autograd node
+        if records_nothing(q, k, v, beta):  # no autograd node, no backward to write a map for
+            return _forward(q, k, v, beta, power, scale, backend)[0]
         return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend, skip_zero)
-    return threshold_attention_op(q, k, v, beta, power, scale, backend, skip_zero)
+    return threshold_attention_op(q, k, v, beta, power, scale, backend, skip_zero)[0]

@@ -499,9 +499,9 @@ def default_diff_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
     fastest config per kernel of an H200 sweep at T = 4096 (recorded in
     lit_thresh/ops/PERF.md, v3; each kernel timed with the others at the previous default; the combination,
     timed afterwards, is 1.03-1.32x faster than two single calls forward+backward, but 0.63-0.81x at fp16
-    D = 128, whose backward then kept the per-tile fp16 rescaling; the fp16 tiles were picked for that path
-    and not re-swept since the row scales, PERF.md v4). fp32 and D > 128: small-tile starting points, not
-    tuned. Small tiles under the interpreter."""
+    D = 128, whose backward then kept the per-tile fp16 rescaling); fp16 re-swept with the row scales
+    (PERF.md v7: three kernels changed). fp32 and D > 128: small-tile starting points, not tuned. Small
+    tiles under the interpreter."""
     return _default_diff_configs(head_dim, dtype, triton_interpreting())
 
 
@@ -518,12 +518,12 @@ def _default_diff_configs(head_dim: int, dtype: torch.dtype, interpreting: bool)
         # timed with the others at the previous default; lit_thresh/ops/PERF.md, v3)
         return KernelConfigs(
             BlockConfig(128, 64, 8, 3),  # bf16 0.883, fp16 1.110 (64x64 w8 s3: 1.711, 2.043)
-            BlockConfig(64, 64, 8, 2) if fp16 else BlockConfig(32, 64, 4, 2),  # fp16 7.92, bf16 4.41
+            BlockConfig(32, 64, 4, 2),  # bf16 4.41; fp16 5.45 in v7's sweep (64x64 w8 s2: 6.26)
             BlockConfig(64, 32, 4, 2) if fp16 else BlockConfig(128, 32, 8, 3),  # fp16 8.71, bf16 6.01
         )
     return KernelConfigs(
-        BlockConfig(128, 64, 8, 3),  # bf16 0.484, fp16 0.610 (64x64 w4 s3: 0.511, 0.672)
-        BlockConfig(64, 128, 8, 2) if fp16 else BlockConfig(32, 64, 4, 3),  # fp16 3.25, bf16 2.27
+        BlockConfig(64, 32, 4, 3) if fp16 else BlockConfig(128, 64, 8, 3),  # bf16 0.484; fp16 0.668 in v7 (128x64 w8 s3: 0.737)
+        BlockConfig(64, 64, 4, 3) if fp16 else BlockConfig(32, 64, 4, 3),  # bf16 2.27; fp16 2.77 in v7 (64x128 w8 s2: 2.95)
         BlockConfig(64, 64, 4, 3) if fp16 else BlockConfig(64, 32, 4, 3),  # fp16 3.31, bf16 2.32
     )
 

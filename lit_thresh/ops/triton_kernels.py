@@ -15,12 +15,14 @@ dS has no such bound (x^(p-1) grows without limit as x -> 0+): the backward then
 its own row maxima (FP16_RANGE, _dot_acc), at the cost of a separate product per tile.
 
 NaN in q, k or beta gives NaN, as ReLU(NaN) = NaN in the math; keys past a query's position are set to
-x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, a kernel's unmasked
-loop runs only over the tiles listed for its row (LUT, COUNTS: triton_launch.tile_lists, from the pre-pass
-threshold_live_tiles_kernel), leaving out, loads included, those whose scores are all <= 0 (P exactly 0, no
-NaN); the diagonal tiles always run. Exact for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without
-skipping). With USE_TMA, the input tiles come through TMA tensor descriptors (zero-filled out of bounds)
-instead of masked pointer loads.
+x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. With SKIP_ZERO, the forward
+runs every tile and writes a map of the tiles whose scores may pass tau (LIVE); each backward kernel's unmasked
+loop then runs only over the tiles listed for its row (LUT, COUNTS: triton_launch.tile_lists, from that map
+or from the pre-pass threshold_live_tiles_kernel), leaving out, loads included, those whose scores are all
+<= 0 (P exactly 0, no NaN), or over all of them when none is left out; the diagonal tiles always run. Exact
+for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without skipping). With
+USE_TMA, the input tiles come through TMA tensor descriptors (zero-filled out of bounds) instead of masked
+pointer loads.
 """
 
 import triton
@@ -121,6 +123,12 @@ def _rectify_grad(x, p_val, power, POWER_MODE: tl.constexpr):
 def _any_live(x):
     """True when some score of the tile is > 0 or NaN, i.e. its rectified tile is not all exact zeros."""
     return tl.max(tl.where(x <= 0.0, 0, 1)) > 0
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    """max(a, b), NaN if either is (tl.max drops NaN)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -274,16 +282,25 @@ def _fp16_exp(log2_bound):
 @triton.jit
 def _fwd_tile(
     acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-    TK, scale, power, start_n,
+    TK, scale, power, start_n, map_row, live_cut,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr, WRITE_MAP: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """acc + P V of the key tile at start_n."""
+    """acc + P V of the key tile at start_n. WRITE_MAP: map_row[start_n / BLOCK_N] = 1 (int8) when a score
+    of the tile is > live_cut (a scalar or (BLOCK_M,)) or NaN; each such row stores the same byte, so the
+    rows need not agree first (no cross-warp reduction in the loop)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _seq_tile(k_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
     v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_DV)
     x = _mma(q, tl.trans(k), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    if WRITE_MAP:
+        top = x
+        if CAUSAL_MASK:
+            top = tl.where(offs_n[None, :] <= pos[:, None], x, float("-inf"))
+        top = tl.reduce(top, 1, _max_keep_nan)  # (BLOCK_M,) each row's largest score, NaN if any
+        tl.store(map_row + start_n // BLOCK_N + tl.zeros(top.shape, tl.int32), tl.full(top.shape, 1, tl.int8),
+                 mask=~(top <= live_cut))
     if CAUSAL_MASK:
         x = tl.where(offs_n[None, :] <= pos[:, None], x, 0.0)
     return _dot_rows(_rectify(x, power, POWER_MODE), p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
@@ -292,31 +309,23 @@ def _fwd_tile(
 @triton.jit
 def _fwd_inner(
     acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-    TK, scale, power, lut, count, lo, hi,
+    TK, scale, power, map_row, live_cut, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr, WRITE_MAP: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """acc + P V over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales; P_SCALED: P's rows
-    are multiplied by p_mul (BLOCK_M,) before the cast. SKIP_ZERO: instead only the count key tiles listed
-    (ascending tile indices) at lut, decided before any load; a plain loop, so loads stay pipelined."""
-    if SKIP_ZERO:
-        for i in range(0, count):
-            start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
-            acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                            TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
-                            P_SCALED, PRECISION, UPCAST, USE_TMA)
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                            TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE,
-                            P_SCALED, PRECISION, UPCAST, USE_TMA)
+    are multiplied by p_mul (BLOCK_M,) before the cast. WRITE_MAP: the tiles' skip_zero map bytes too."""
+    for start_n in range(lo, hi, BLOCK_N):
+        acc = _fwd_tile(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+                        TK, scale, power, start_n, map_row, live_cut, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL_MASK,
+                        POWER_MODE, P_SCALED, PRECISION, UPCAST, WRITE_MAP, USE_TMA)
     return acc
 
 
 @triton.jit
 def threshold_fwd_kernel(
-    Q, K, V, O, BETA, ROW_NORMS, LUT, COUNTS,
+    Q, K, V, O, BETA, ROW_NORMS, MARGIN, LIVE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -329,9 +338,11 @@ def threshold_fwd_kernel(
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
     ROW_SCALE (fp16): P rows scaled into fp16's range by a power of two per row, from the key norms
-    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: the unmasked loop visits only the key
-    tiles listed in LUT (a row of cdiv(TK, BLOCK_N) per (batch, head, query tile); COUNTS: how many).
-    USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
+    ROW_NORMS (B * H / GROUP, TK) fp32 (unused otherwise). SKIP_ZERO: every tile still runs, and the kernel
+    writes the skip_zero map the backward's work lists come from: LIVE (B * H, cdiv(TQ, BLOCK_M),
+    cdiv(TK, BLOCK_N)) int8, zeroed by the caller, gets 1 where a score of the tile is > -margin or NaN
+    (MARGIN (1,) fp32, as threshold_live_tiles_kernel's; padding rows may mark a tile, which only keeps
+    it). USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
@@ -355,6 +366,9 @@ def threshold_fwd_kernel(
 
     x_scale = scale
     p_mul = tau  # unused unless ROW_SCALE with POWER_MODE 0
+    live_cut = scale  # unused unless SKIP_ZERO: scores at or below it leave the map's byte 0
+    if SKIP_ZERO:
+        live_cut = -tl.load(MARGIN)
     if ROW_SCALE:
         k_max = _finite_max(ROW_NORMS + (b * (H // GROUP) + hk) * TK, 0, n_end)  # over the keys these rows meet
         base = tl.abs(scale) * _row_norms(q) * k_max + tl.maximum(-tau, 0.0)  # (BLOCK_M,) >= every score of the row
@@ -367,15 +381,16 @@ def threshold_fwd_kernel(
             row_scale = tl.exp2(-e / POWER_MODE)  # (BLOCK_M,)
             x_scale = (scale * row_scale)[:, None]  # (BLOCK_M, 1)
             tau = tau * row_scale
+            if SKIP_ZERO:  # the scores are scaled, so is their cut
+                live_cut = live_cut * row_scale  # (BLOCK_M,)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    lut, count = _tile_list(LUT, COUNTS, pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, tl.cdiv(TK, BLOCK_N),
-                            SKIP_ZERO)
+    map_row = LIVE + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * tl.cdiv(TK, BLOCK_N)  # unused unless SKIP_ZERO
     acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, x_scale, power, lut, count, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     TK, x_scale, power, map_row, live_cut, 0, n_full, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                      False, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     acc = _fwd_inner(acc, q, tau, p_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
-                     TK, x_scale, power, lut, count, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                     True, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, False, USE_TMA)
+                     TK, x_scale, power, map_row, live_cut, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                     True, POWER_MODE, ROW_SCALE and POWER_MODE == 0, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     if ROW_SCALE:
         acc = acc * tl.exp2(e)[:, None]
 
@@ -418,6 +433,23 @@ def _bwd_dkv_tile(
 
 
 @triton.jit
+def _bwd_dkv_range(
+    dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
+    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """dK, dV accumulators after every query tile in [lo, hi)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                               stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                               D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                               FP16_RANGE, PRECISION, UPCAST, USE_TMA)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkv_inner(
     dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
     beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, lo, hi,
@@ -426,20 +458,25 @@ def _bwd_dkv_inner(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Over query tiles [lo, hi); SKIP_ZERO: instead only the count query tiles listed (ascending tile
-    indices) at lut, decided before any load."""
+    indices) at lut, decided before any load, unless that is every tile (the plain loop is faster)."""
     if SKIP_ZERO:
-        for i in range(0, count):
-            start_m = tl.multiple_of(tl.load(lut + i) * BLOCK_M, BLOCK_M)
-            dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                                   stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
-                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                                   FP16_RANGE, PRECISION, UPCAST, USE_TMA)
+        if count < tl.cdiv(hi - lo, BLOCK_M):
+            for i in range(0, count):
+                start_m = tl.multiple_of(tl.load(lut + i) * BLOCK_M, BLOCK_M)
+                dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                       stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                                       D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                       FP16_RANGE, PRECISION, UPCAST, USE_TMA)
+        else:
+            dk, dv = _bwd_dkv_range(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                    stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
+                                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                    FP16_RANGE, PRECISION, UPCAST, USE_TMA)
     else:
-        for start_m in range(lo, hi, BLOCK_M):
-            dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                                   stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
-                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                                   FP16_RANGE, PRECISION, UPCAST, USE_TMA)
+        dk, dv = _bwd_dkv_range(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
+                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                FP16_RANGE, PRECISION, UPCAST, USE_TMA)
     return dk, dv
 
 
@@ -564,6 +601,23 @@ def _bwd_dq_tile(
 
 
 @triton.jit
+def _bwd_dq_range(
+    dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
+    TK, scale, power, lo, hi,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, DS_SCALED: tl.constexpr, FP16_RANGE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """dQ accumulator and dS row sums after every key tile in [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                                  stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
+                                  BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                                  BETA_GRAD, USE_TMA)
+    return dq, ds_sum
+
+
+@triton.jit
 def _bwd_dq_inner(
     dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
     TK, scale, power, lut, count, lo, hi,
@@ -572,20 +626,26 @@ def _bwd_dq_inner(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales. SKIP_ZERO: instead only the
-    count key tiles listed (ascending tile indices) at lut, decided before any load."""
+    count key tiles listed (ascending tile indices) at lut, decided before any load, unless that is every
+    tile (the plain loop is faster)."""
     if SKIP_ZERO:
-        for i in range(0, count):
-            start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
-            dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
-                                      stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
-                                      BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
-                                      BETA_GRAD, USE_TMA)
+        if count < tl.cdiv(hi - lo, BLOCK_N):
+            for i in range(0, count):
+                start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
+                dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt,
+                                          stride_kd, stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D,
+                                          BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION,
+                                          UPCAST, BETA_GRAD, USE_TMA)
+        else:
+            dq, ds_sum = _bwd_dq_range(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                                       stride_vt, stride_vd, TK, scale, power, lo, hi, D, DV, BLOCK_D, BLOCK_DV,
+                                       BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                                       BETA_GRAD, USE_TMA)
     else:
-        for start_n in range(lo, hi, BLOCK_N):
-            dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
-                                      stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D, BLOCK_DV,
-                                      BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
-                                      BETA_GRAD, USE_TMA)
+        dq, ds_sum = _bwd_dq_range(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                                   stride_vt, stride_vd, TK, scale, power, lo, hi, D, DV, BLOCK_D, BLOCK_DV,
+                                   BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                                   BETA_GRAD, USE_TMA)
     return dq, ds_sum
 
 

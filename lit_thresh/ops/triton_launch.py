@@ -20,12 +20,12 @@ from lit_thresh.ops.triton_kernels import (
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """Tile sizes and launch settings of one kernel. skip_zero: a pre-pass maps the tiles whose rectified
-    scores are all exactly 0 (live_tiles) and the kernel's unmasked loop runs over a list of the others
-    (tile_lists), loads included; exact. The differential op's kernels check each tile in their loop
-    instead. On one H200 at T = 16384 (lit_thresh/ops/PERF.md v6), forward+backward with skip_zero took
-    0.46-0.60x the time at 99% zero weights, but 1.4-1.7x at 50-90%, where under 1% of tiles are all
-    zero; the forward alone gains little even at 99% (0.91-1.12x the time).
+    """Tile sizes and launch settings of one kernel. skip_zero, exact either way: in the backward kernels,
+    the unmasked loop runs over a list of the tiles whose rectified scores may be nonzero (tile_lists),
+    loads included, from the map the forward wrote (or a QK^T pre-pass, live_tiles, without one); a row
+    whose list holds every tile runs the plain loop. In the forward, every tile runs and the kernel writes
+    that map. The differential op's kernels check each tile in their loop instead. Measured on one H200:
+    lit_thresh/ops/PERF.md (v7).
     tma: read the inputs through TMA tensor descriptors where their layout allows it (unit last stride,
     16-byte aligned base and strides, tile rows of at most 256 bytes), else through pointers."""
 
@@ -80,13 +80,14 @@ def _default_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> K
         )
     if dtype == torch.bfloat16:  # fwd 0.285, dq 1.306 as before; backward 1.215 ms with this dkv (was 1.307)
         return KernelConfigs(small, BlockConfig(32, 128, 4, 3, tma=True), small)
-    if head_dim > 64:  # float16
+    if head_dim > 64:  # float16, re-swept in PERF.md v7 (fwd 0.594 ms, was 0.612; backward 2.38, 2.41)
         return KernelConfigs(
-            small,  # fwd 0.706 ms (was 0.908)
-            BlockConfig(64, 128, 8, 3, tma=True),  # backward 4.53 ms with the old dq (was 5.60)
-            BlockConfig(128, 64, 8, 3, tma=True),  # backward 4.23 ms with the old dkv (was 5.54)
+            BlockConfig(128, 64, 8, 3, tma=True),
+            BlockConfig(64, 128, 8, 3, tma=True),
+            BlockConfig(128, 64, 8, 3, tma=True),
         )
-    return KernelConfigs(small, small, small)  # float16, D <= 64: fastest within 2% (fwd 0.493, backward 1.80)
+    return KernelConfigs(  # float16, D <= 64, re-swept in PERF.md v7 (fwd 0.356 ms, was 0.371; backward 1.56, was 1.67)
+        BlockConfig(64, 64, 4, 3, tma=True), BlockConfig(32, 64, 4, 2, tma=True), small)
 
 
 def _block_dim(d: int) -> int:
@@ -180,51 +181,80 @@ def _launch_meta(cfg: BlockConfig) -> dict:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _margin(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """The skip_zero map's margin, (1,) float32 on the device (no host sync): 1e-2 |scale| max|q| max|k|
+    over the whole call, above the difference between two kernels' products of the same rows and keys
+    (summation order; tf32's operand rounding, up to ~2e-3 relative, included). inf or NaN where q or k
+    holds one, which keeps every tile."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=wide).amax().float() for x in (q, k)]
+    return (norms[0] * norms[1] * (1e-2 * abs(scale))).reshape(1)
+
+
+def _new_map(q: torch.Tensor, k: torch.Tensor, grain: tuple[int, int]) -> torch.Tensor:
+    """A zeroed skip_zero map at grain (block_m, block_n): (B * Hq, cdiv(Tq, block_m), cdiv(Tk, block_n)) int8."""
+    b, hq, tq, tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    return torch.zeros(b * hq, -(-tq // grain[0]), -(-tk // grain[1]), device=q.device, dtype=torch.int8)
+
+
+def map_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
+    """The shape of the map triton_forward writes with skip_zero and the default tiles."""
+    cfg = skip_zero_configs(int(max(q.shape[3], v.shape[3])), q.dtype).fwd  # int: a symbolic head dim is guarded
+    return q.shape[0] * q.shape[1], -(-q.shape[2] // cfg.block_m), -(-k.shape[2] // cfg.block_n)
+
+
 def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, grain: tuple[int, int],
                kw: dict) -> torch.Tensor:
-    """The skip_zero tile map at (block_m, block_n) = grain: (B * Hq, cdiv(Tq, block_m), cdiv(Tk, block_n))
-    int8, 1 where the causal (query tile, key tile) pair may hold a weight, 0 where every causal score of
-    its real rows has x = scale q.k - tau <= -margin (threshold_live_tiles_kernel; its QK^T is the whole
-    cost). margin = 1e-2 |scale| max|q| max|k| over the whole call, so a NaN or inf anywhere in q or k
-    keeps every tile (nothing is skipped in that call); a NaN beta keeps its head's tiles. kw: the
-    constexprs of a kernel of this problem (D, BLOCK_D, PRECISION, UPCAST)."""
+    """The skip_zero tile map at (block_m, block_n) = grain, from a pre-pass (threshold_live_tiles_kernel;
+    its QK^T is the whole cost), for a backward run without its forward's map: (B * Hq, cdiv(Tq, block_m),
+    cdiv(Tk, block_n)) int8, 1 where the causal (query tile, key tile) pair may hold a weight, 0 where
+    every causal score of its real rows has x = scale q.k - tau <= -margin (_margin; a NaN or inf in q or
+    k keeps every tile, a NaN beta its head's). kw: the constexprs of a kernel of this problem (D,
+    BLOCK_D, PRECISION, UPCAST)."""
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     m, n = grain
-    n_m = -(-tq // m)
-    wide = torch.promote_types(q.dtype, torch.float32)
-    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=wide).amax().float() for x in (q, k)]  # no host sync
-    margin = (norms[0] * norms[1] * (1e-2 * abs(scale))).reshape(1)  # (1,) float32
-    live = torch.zeros(b * hq, n_m, -(-tk // n), device=q.device, dtype=torch.int8)
-    threshold_live_tiles_kernel[(n_m, b * hq)](
-        q, k, beta, margin, live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / kw["D"],
+    live = _new_map(q, k, grain)
+    threshold_live_tiles_kernel[(live.shape[1], b * hq)](
+        q, k, beta, _margin(q, k, scale), live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / kw["D"],
         D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=m, BLOCK_N=n, PRECISION=kw["PRECISION"], UPCAST=kw["UPCAST"],
         num_warps=4 if m * n <= 64 * 64 else 8, num_stages=3,
     )
     return live
 
 
+def _regrain(live: torch.Tensor, size: int, grain: int, dim: int) -> torch.Tensor:
+    """The map along dim at tiles of `size` instead of `grain` (one a power-of-two multiple of the other):
+    a tile is live where any map tile it overlaps is."""
+    if size < grain:
+        if grain % size:
+            raise ValueError(f"skip_zero needs tile sizes that divide or are multiples of the map's, got {size} and {grain}")
+        return live.repeat_interleave(grain // size, dim=dim)
+    if size % grain:
+        raise ValueError(f"skip_zero needs tile sizes that divide or are multiples of the map's, got {size} and {grain}")
+    f = size // grain
+    live = torch.nn.functional.pad(live, (0, 0) * (live.dim() - 1 - dim) + (0, -live.shape[dim] % f))
+    return live.unflatten(dim, (-1, f)).amax(dim=dim + 1)
+
+
 def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq: int, tk: int,
                by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A kernel's skip_zero work lists from the tile map `live` (live_tiles at `grain`, whose sizes divide
-    the kernel's block sizes): for each row of its grid, the ascending indices of the tiles of its unmasked
-    loop (the masked diagonal tiles always run) that may hold a weight, and their count. by_key (the dK/dV
-    kernel): a row per (batch, query head, key tile) listing query tiles; else a row per (batch, query
-    head, query tile) listing key tiles. Returns (lists (rows, row length) int32, counts (rows,) int32)."""
+    """A kernel's skip_zero work lists from the tile map `live` (at `grain`, whose sizes divide or are
+    multiples of the kernel's block sizes): for each row of its grid, the ascending indices of the tiles
+    of its unmasked loop (the masked diagonal tiles always run) that may hold a weight, and their count.
+    by_key (the dK/dV kernel): a row per (batch, query head, key tile) listing query tiles; else a row per
+    (batch, query head, query tile) listing key tiles. Returns (lists (rows, row length) int32, counts
+    (rows,) int32)."""
     bm, bn = cfg.block_m, cfg.block_n
-    gm, gn = grain
-    if bm % gm or bn % gn:
-        raise ValueError(f"skip_zero needs tile sizes that are multiples of the map's {grain}, got ({bm}, {bn})")
     n_m, n_n = -(-tq // bm), -(-tk // bn)
-    x = torch.nn.functional.pad(live, (0, n_n * (bn // gn) - live.shape[2], 0, n_m * (bm // gm) - live.shape[1]))
-    x = x.view(-1, n_m, bm // gm, n_n, bn // gn).amax(dim=(2, 4)).bool()  # (B * Hq, n_m, n_n) at the kernel's tiles
+    x = _regrain(_regrain(live, bm, grain[0], 1)[:, :n_m], bn, grain[1], 2)[:, :, :n_n].bool()  # (B * Hq, n_m, n_n)
     past = tk - tq
     m = torch.arange(n_m, device=live.device)
     n = torch.arange(n_n, device=live.device)
     if by_key:  # the kernel's unmasked query tiles of key tile n start at m_full (threshold_bwd_dkv_kernel)
         m_full = ((n * bn + bn - 1 - past).clamp(min=0) + bm - 1) // bm * bm
         x = x.transpose(1, 2) & (m[None, :] >= ((m_full.clamp(max=tq) + bm - 1) // bm)[:, None])  # (B * Hq, n_n, n_m)
-    else:  # the unmasked key tiles of query tile m end at n_full (threshold_fwd_kernel, threshold_bwd_dq_kernel)
+    else:  # the unmasked key tiles of query tile m end at n_full (threshold_bwd_dq_kernel)
         x = x & (n[None, :] < ((past + m * bm + 1) // bn)[:, None])  # (B * Hq, n_m, n_n)
     counts = x.sum(dim=-1, dtype=torch.int32).flatten()
     lists = torch.argsort(x.to(torch.int8), dim=-1, descending=True, stable=True)  # live tiles first, ascending
@@ -240,9 +270,11 @@ def triton_forward(
     scale: float,
     configs: KernelConfigs | None = None,
     skip_zero: bool = False,
-) -> torch.Tensor:
-    """Forward pass; returns (B, Hq, Tq, Dv) in q's dtype. configs: the kernels' tiles (None: the
-    defaults, with skip_zero on where skip_zero is true)."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward pass: (out (B, Hq, Tq, Dv) in q's dtype, map). configs: the kernels' tiles (None: the
+    defaults, with skip_zero on where skip_zero is true). With skip_zero in the forward's config, every
+    tile still runs and map is the skip_zero tile map at the forward's tiles, for triton_backward's
+    `live`; else map is None."""
     if skip_zero and configs is None:
         configs = skip_zero_configs(max(q.shape[3], v.shape[3]), q.dtype)
     (cfg, kw), _, _ = _problem_plan(q, v, power, configs)
@@ -253,17 +285,16 @@ def triton_forward(
     bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
     srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
     k_norms = _row_norms(k).contiguous() if kw["ROW_SCALE"] else beta  # (B, Hkv, Tk); beta: unused
-    lists = counts = beta  # unused unless skip_zero
+    margin = live = None
     if cfg.skip_zero:
-        grain = (cfg.block_m, cfg.block_n)
-        lists, counts = tile_lists(live_tiles(q, k, beta, scale, grain, kw), grain, cfg, tq, tk, by_key=False)
+        margin, live = _margin(q, k, scale), _new_map(q, k, (cfg.block_m, cfg.block_n))
     threshold_fwd_kernel[grid](
-        *srcs, out, beta, k_norms, lists, counts,
+        *srcs, out, beta, k_norms, beta if margin is None else margin, beta if live is None else live,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
         USE_TMA=use_tma, **kw,
     )
-    return out
+    return out, live
 
 
 def triton_backward(
@@ -277,12 +308,14 @@ def triton_backward(
     need_dbeta: bool,
     configs: KernelConfigs | None = None,
     skip_zero: bool = False,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward pass: (dq, dk, dv, dbeta); dbeta (Hq,) is reduced deterministically from per-row terms.
-    configs, skip_zero: as triton_forward."""
+    configs, skip_zero: as triton_forward. live: the map triton_forward returned with these configs, for
+    the kernels that skip (None: a pre-pass makes one)."""
     if skip_zero and configs is None:
         configs = skip_zero_configs(max(q.shape[3], v.shape[3]), q.dtype)
-    _, (dkv_cfg, dkv_kw), (dq_cfg, dq_kw) = _problem_plan(q, v, power, configs)
+    (fwd_cfg, _), (dkv_cfg, dkv_kw), (dq_cfg, dq_kw) = _problem_plan(q, v, power, configs)
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     scalars = (tq, tk, scale, power, 2.0 / d)
@@ -297,13 +330,18 @@ def triton_backward(
 
     dkv_lists = dkv_counts = dq_lists = dq_counts = beta  # unused unless skip_zero
     skipping = [cfg for cfg in (dkv_cfg, dq_cfg) if cfg.skip_zero]
-    if skipping:  # one map at the finest tiles of the two kernels
+    if skipping and live is not None:  # the forward's map
+        grain = (fwd_cfg.block_m, fwd_cfg.block_n)
+        if live.shape != (b * hq, -(-tq // grain[0]), -(-tk // grain[1])) or live.dtype != torch.int8:
+            raise ValueError(f"live must be the forward's int8 map of shape {(b * hq, -(-tq // grain[0]), -(-tk // grain[1]))},"
+                             f" got {live.dtype} {tuple(live.shape)}")
+    elif skipping:  # one map at the finest tiles of the two kernels
         grain = (min(cfg.block_m for cfg in skipping), min(cfg.block_n for cfg in skipping))
         live = live_tiles(q, k, beta, scale, grain, dq_kw)
-        if dkv_cfg.skip_zero:
-            dkv_lists, dkv_counts = tile_lists(live, grain, dkv_cfg, tq, tk, by_key=True)
-        if dq_cfg.skip_zero:
-            dq_lists, dq_counts = tile_lists(live, grain, dq_cfg, tq, tk, by_key=False)
+    if dkv_cfg.skip_zero:
+        dkv_lists, dkv_counts = tile_lists(live, grain, dkv_cfg, tq, tk, by_key=True)
+    if dq_cfg.skip_zero:
+        dq_lists, dq_counts = tile_lists(live, grain, dq_cfg, tq, tk, by_key=False)
     m, n = dkv_cfg.block_m, dkv_cfg.block_n
     srcs, use_tma = _sources(dkv_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     threshold_bwd_dkv_kernel[(-(-tk // n), b * hkv)](

@@ -50,12 +50,15 @@ def _zero_tile_fraction(q, k, beta, block: int) -> float:
 
 
 def _run_both(q, k, v, beta, dout, block, tma=False):
-    """(out, dq, dk, dv, dbeta) with skip_zero off, then on."""
+    """(out, dq, dk, dv, dbeta) with skip_zero off; on, the backward skipping by the forward's map (as in
+    training); on, by a pre-pass's map (a backward called alone)."""
     results = []
-    for skip in (False, True):
+    for skip, forward_map in ((False, False), (True, True), (True, False)):
         cfgs = _configs(skip, block, tma)
-        out = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
-        results.append((out, *triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs)))
+        out, live = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
+        assert (live is not None) == skip
+        live = live if forward_map else None
+        results.append((out, *triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=live)))
     return results
 
 
@@ -75,11 +78,12 @@ def test_skip_on_and_off_agree_and_match_reference(device, dtype, sparse):
     dout = randn(gen, 1, 2, t, d, dtype=dtype, device=device)
     tma = dtype == torch.float16
     assert _tma_ready(q, k, v, dout), "the TMA case must not fall back to pointer loads"
-    off, on = _run_both(q, k, v, beta, dout, BLOCK, tma)
-    for a, b in zip(off, on):
-        assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"
+    off, *ons = _run_both(q, k, v, beta, dout, BLOCK, tma)
+    for on in ons:
+        for a, b in zip(off, on):
+            assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"
     ref, ref_grads = reference_with_grads(q, k, v, beta, 2.0, 1.0, dout)
-    for got, want in zip(on, (ref, *ref_grads)):
+    for got, want in zip(off, (ref, *ref_grads)):
         assert rel_err(got, want) < TOLERANCE[dtype]
 
 
@@ -107,35 +111,44 @@ def _true_live_tiles(q, k, beta, block_m: int, block_n: int) -> torch.Tensor:
     return tiles.ne(0).any(-1).any(-2).flatten(0, 1)
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
-def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(device, block_m, block_n):
-    """live_tiles (a kernel's skip_zero map): 1 on every tile with a nonzero weight (it must never
-    drop one), 0 on almost all the others (only scores within its rounding margin of tau count as live
-    beyond them); a NaN score keeps its tile; Tq < Tk and GQA (4 query heads on 2 kv heads)."""
+def _tile_map(source: str, q, k, beta, grain: tuple[int, int]) -> torch.Tensor:
+    """The skip_zero map at grain from the pre-pass (live_tiles) or written by the forward kernel."""
     from lit_thresh.ops.triton_launch import _problem_plan, live_tiles
 
+    if source == "prepass":
+        _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
+        return live_tiles(q, k, beta, 1.0, grain, kw)
+    cfg = BlockConfig(*grain, skip_zero=True)
+    return triton_forward(q, k, k, beta, 2.0, 1.0, KernelConfigs(cfg, cfg, cfg))[1]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+@pytest.mark.parametrize("source", ["prepass", "forward"])
+def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(device, block_m, block_n, source):
+    """The skip_zero map, from the pre-pass or the forward kernel: 1 on every tile with a nonzero weight
+    (it must never drop one), 0 on almost all the others (only scores within its rounding margin of tau
+    count as live beyond them); a NaN score keeps its tile; Tq < Tk and GQA (4 query heads on 2 kv heads)."""
     gen = generator("tile-map", device, block_m, block_n)
     (q, k, _), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
     q = torch.cat([q, q.flip(-2)], dim=1)[:, :, 24:]  # (1, 4, 56, 16): Tq < Tk, GROUP 2
     beta = torch.cat([beta, beta.flip(0)])
-    _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
-    live = live_tiles(q, k, beta, 1.0, (block_m, block_n), kw).bool().cpu()
+    live = _tile_map(source, q, k, beta, (block_m, block_n)).bool().cpu()
     want = _true_live_tiles(q, k.repeat_interleave(2, dim=1), beta, block_m, block_n).cpu()
     assert live.shape == want.shape and want.any() and (~want).any()
     assert not (want & ~live).any(), "a tile with a weight was marked all-zero"
     assert (live & ~want).sum() <= 0.02 * (~want).sum()
     q[0, 1, 30] = float("nan")
-    live = live_tiles(q, k, beta, 1.0, (block_m, block_n), kw).bool().cpu()
+    live = _tile_map(source, q, k, beta, (block_m, block_n)).bool().cpu()
     assert live[1, 30 // block_m, : (24 + 30) // block_n + 1].all()  # every causal key tile of the NaN row
 
 
-def test_the_tile_map_keeps_scores_within_its_margin_of_tau_and_a_nan_beta_head():
+@pytest.mark.parametrize("source,dtype", [("prepass", torch.float32), ("forward", torch.float32),
+                                          ("forward", torch.float16)], ids=str)
+def test_the_tile_map_keeps_scores_within_its_margin_of_tau_and_a_nan_beta_head(source, dtype):
     """A tile whose scores sit just below tau (x = -margin / 2: weight 0 here, but another product's
     rounding could lift it above) stays live; one 5 margins below is dropped. A NaN beta keeps every causal
-    tile of its head and no other head's."""
-    from lit_thresh.ops.triton_launch import _problem_plan, live_tiles
-
+    tile of its head and no other head's. The forward in float16 scales its scores by rows, and its cut."""
     t, d = 64, 16
     u = torch.zeros(d)
     u[0] = 1.0
@@ -146,11 +159,11 @@ def test_the_tile_map_keeps_scores_within_its_margin_of_tau_and_a_nan_beta_head(
     margin = 1e-2  # 1e-2 |scale| max|q| max|k|, all norms 1
     q[0, :, 40, 0] = tau(40) - margin / 2  # row 40 (query tile 2): x = -margin / 2 on keys 0..40
     q[0, :, 50, 0] = tau(50) - 5 * margin  # row 50 (query tile 3): x = -5 margins
-    _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
-    live = live_tiles(q, k, beta, 1.0, (16, 16), kw)  # (2, 4, 4)
+    q, k = q.to(dtype), k.to(dtype)
+    live = _tile_map(source, q, k, beta, (16, 16))  # (2, 4, 4)
     assert live[:, 2, :3].all() and not live[:, 3].any() and not live[:, :2].any()
     beta[0] = float("nan")
-    live = live_tiles(q, k, beta, 1.0, (16, 16), kw)
+    live = _tile_map(source, q, k, beta, (16, 16))
     assert live[0].bool().equal(torch.ones(4, 4, dtype=torch.bool).tril()) and not live[1, 3].any()
 
 
@@ -172,8 +185,9 @@ def test_skip_on_and_off_agree_with_the_default_tiles_on_a_gpu(dtype, d):
     beta = torch.full((4,), 3.0, device="cuda")
     results = []
     for cfgs in (default_configs(d, dtype), skip_zero_configs(d, dtype)):
-        out = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
-        results.append((out, *triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs)))
+        out, live = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
+        results.append((out, *triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=live)))
+    assert not live.all(), "the forward's map must leave tiles to skip"
     assert results[0][0].abs().sum() > 0
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -191,7 +205,7 @@ TILES_B = ((32, 16), (16, 32), (16, 32))  # dK/dV and dQ alike
     ids=["fp32-A-p2", "fp16-B-p2", "fp32-B-p1", "fp16-A-p0.5"],
 )
 def test_skip_on_and_off_agree_with_batches_gqa_tq_below_tk_and_tiles_per_kernel(device, dtype, tiles, power):
-    """Every kernel with tiles of its own (non-square; a map each, one shared when dK/dV and dQ match),
+    """Every kernel with tiles of its own (non-square; the forward's map read at coarser and finer tiles),
     two batches with different maps, 4 query heads on 2 kv heads, Tq = 56 < Tk = 80: the maps' batch,
     head and row indices must all be right for skip on and off to agree bit for bit."""
     gen = generator("skip-tiles", device, dtype, tiles, power)
@@ -208,21 +222,21 @@ def test_skip_on_and_off_agree_with_batches_gqa_tq_below_tk_and_tiles_per_kernel
     results = []
     for skip in (False, True):
         cfgs = KernelConfigs(*(BlockConfig(m, n, skip_zero=skip) for m, n in tiles))
-        out = triton_forward(q, k, v, beta, power, 1.0, cfgs)
-        results.append((out, *triton_backward(q, k, v, beta, power, 1.0, dout, True, cfgs)))
+        out, live = triton_forward(q, k, v, beta, power, 1.0, cfgs)  # the backward regrains the forward's map
+        results.append((out, *triton_backward(q, k, v, beta, power, 1.0, dout, True, cfgs, live=live)))
     for a, b in zip(*results):
         assert torch.equal(a, b), "a skipped tile must only leave out exact zeros"
 
 
 def _kernel_lists(live: torch.Tensor, grain: tuple[int, int], bm: int, bn: int, tq: int, tk: int, by_key: bool) -> list[list[int]]:
     """The work lists as the kernels' dense unmasked loops would visit them, tile by tile in plain Python:
-    a tile is listed when any map tile of `grain` inside it is live."""
+    a tile is listed when any map tile of `grain` it overlaps is live."""
     gm, gn = grain
     n_m, n_n = -(-tq // bm), -(-tk // bn)
     past = tk - tq
 
     def alive(r: int, i: int, j: int) -> bool:
-        return bool(live[r, i * bm // gm: (i + 1) * bm // gm, j * bn // gn: (j + 1) * bn // gn].any())
+        return bool(live[r, i * bm // gm: ((i + 1) * bm - 1) // gm + 1, j * bn // gn: ((j + 1) * bn - 1) // gn + 1].any())
 
     rows = []
     for r in range(live.shape[0]):
@@ -238,7 +252,8 @@ def _kernel_lists(live: torch.Tensor, grain: tuple[int, int], bm: int, bn: int, 
 
 
 @pytest.mark.parametrize("tq,tk", [(200, 200), (120, 200), (1, 128), (65, 128), (97, 97)])
-@pytest.mark.parametrize("grain,block", [((16, 16), (16, 16)), ((16, 16), (32, 64)), ((16, 32), (64, 32))])
+@pytest.mark.parametrize("grain,block", [((16, 16), (16, 16)), ((16, 16), (32, 64)), ((16, 32), (64, 32)),
+                                         ((64, 64), (32, 16)), ((32, 16), (16, 64))])
 @pytest.mark.parametrize("by_key", [False, True], ids=["by_query", "by_key"])
 def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, grain, block, by_key):
     """tile_lists against the kernels' loop bounds written out in Python, on random maps: every live tile
@@ -256,14 +271,21 @@ def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, gr
 
 def test_the_public_op_and_the_attention_variant_take_skip_zero(monkeypatch):
     """threshold_attention(..., skip_zero=True) and ThresholdAttention(skip_zero=True) reach the skipping
-    kernels (their pre-pass runs) and give the same output and gradients, bit for bit, as without it."""
+    kernels: the forward writes a map with tiles to skip, the backward skips by it (no pre-pass), and
+    output and gradients are the same, bit for bit, as without it. A call with no gradient to record
+    writes no map."""
     from lit_thresh.attention import ThresholdAttention
     from lit_thresh.ops import threshold_attention
     from lit_thresh.ops import triton_launch
 
-    calls = []
-    real = triton_launch.live_tiles
-    monkeypatch.setattr(triton_launch, "live_tiles", lambda *args: calls.append(1) or real(*args))
+    def no_prepass(*args):
+        raise AssertionError("the backward must skip by the forward's map")
+
+    maps, given = [], []
+    real_fwd, real_bwd = triton_launch.triton_forward, triton_launch.triton_backward
+    monkeypatch.setattr(triton_launch, "live_tiles", no_prepass)
+    monkeypatch.setattr(triton_launch, "triton_forward", lambda *a, **kw: maps.append(real_fwd(*a, **kw)) or maps[-1])
+    monkeypatch.setattr(triton_launch, "triton_backward", lambda *a, **kw: given.append(kw["live"]) or real_bwd(*a, **kw))
     gen = generator("skip-api")
     (q, k, v), beta = _sparse_inputs(gen, "cpu", torch.float32, 80, 16)
     dout = randn(gen, 1, 2, 80, 16)
@@ -272,20 +294,23 @@ def test_the_public_op_and_the_attention_variant_take_skip_zero(monkeypatch):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, beta)]
         out = threshold_attention(*leaves, backend="triton", skip_zero=skip)
         results.append((out, *torch.autograd.grad(out, leaves, dout)))
-    assert len(calls) == 2  # the forward's pre-pass and the backward's
+    assert maps[0][1] is None and given[0] is None
+    assert given[1] is maps[1][1] and not maps[1][1].all()
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
-    maps = []
-    monkeypatch.setattr(triton_launch, "live_tiles", lambda *args: maps.append(real(*args)) or maps[-1])
+    maps.clear()
     x = randn(gen, 2, 96, 32)
     outs = []
     for skip in (False, True):
         torch.manual_seed(0)
         attn = ThresholdAttention(32, 2, beta=1.0, qk_norm=True, skip_zero=skip)
         outs.append(attn(x))
-    assert len(maps) == 1 and torch.equal(*outs) and outs[0].abs().sum() > 0
-    assert not maps[0][:, 1:, 0].all(), "the model's maps must leave an unmasked tile to skip"  # (B * H, 3, 3)
+    assert maps[1][1] is not None and torch.equal(*outs) and outs[0].abs().sum() > 0
+    assert not maps[1][1][:, 1:, 0].all(), "the model's maps must leave an unmasked tile to skip"  # (B * H, 3, 3)
+    with torch.no_grad():
+        threshold_attention(q, k, v, beta, backend="triton", skip_zero=True)
+    assert maps[-1][1] is None
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

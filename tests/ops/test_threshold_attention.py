@@ -105,7 +105,7 @@ def test_triton_block_shapes(blocks):
     gen = generator("blocks", blocks)
     q, k, v = randn(gen, 1, 2, 77, 32), randn(gen, 1, 1, 90, 32), randn(gen, 1, 1, 90, 16)
     beta = randn(gen, 2)
-    out = triton_forward(q, k, v, beta, 1.5, 0.7, configs)
+    out, _ = triton_forward(q, k, v, beta, 1.5, 0.7, configs)
     dout = randn(gen, *out.shape)
     dq, dk, dv, dbeta = triton_backward(q, k, v, beta, 1.5, 0.7, dout, True, configs)
     ref, (rq, rk, rv, rb) = reference_with_grads(q, k, v, beta, 1.5, 0.7, dout)
