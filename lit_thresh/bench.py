@@ -389,8 +389,8 @@ def _warm_point(task: tuple) -> str:
     if sparse:
         base = default_configs(d, dtype)
         skip = type(base)(*(replace(c, skip_zero=True) for c in (base.fwd, base.bwd_dkv, base.bwd_dq)))
-        runs += [lambda: triton_forward(q, k, v, beta, 2.0, 1.0, skip),
-                 lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, skip)]
+        runs.append(lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, skip,
+                                            live=triton_forward(q, k, v, beta, 2.0, 1.0, skip)[1]))
     for run in runs:
         try:
             run()
@@ -443,7 +443,7 @@ def _sweep_inputs(b: int, h: int, t: int, d: int, dtype: torch.dtype, device: st
 
 def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callable[[], object]:
     """The call that times `kernel` of op ('' single, 'diff ' differential) at cfg, the other kernels at their
-    defaults: the forward, or the whole backward."""
+    defaults: the forward, or the whole backward (with skip_zero, by the map of a forward run beforehand)."""
     from lit_thresh.ops.triton_differential import default_diff_configs, diff_triton_backward, diff_triton_forward
     from lit_thresh.ops.triton_launch import default_configs, triton_backward, triton_forward
 
@@ -457,6 +457,10 @@ def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callab
         return lambda: diff_triton_backward(*pairs, dout, True, True, configs)
     if kernel == "fwd":
         return lambda: triton_forward(q, k, v, beta, 2.0, 1.0, configs)[0]
+    if getattr(configs, kernel).skip_zero:  # skipping by the forward's map, made untimed, as training does
+        configs = replace(configs, fwd=replace(configs.fwd, skip_zero=True))
+        live = triton_forward(q, k, v, beta, 2.0, 1.0, configs)[1]
+        return lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, configs, live=live)
     return lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, configs)
 
 

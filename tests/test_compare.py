@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -513,7 +514,7 @@ def test_ctrl_c_terminates_the_runs_and_exits_130(tmp_path, capsys, monkeypatch)
         process = runner.PROCESSES.start([sys.executable, "-c", "import time; time.sleep(60)"], env)
         started.append(process)
         time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGINT)  # as the terminal does on Ctrl-C
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C, to the thread that handles it
         process.wait()
         runner.PROCESSES.finished(process)
         raise runner.Interrupted

@@ -71,13 +71,12 @@ def _backward(
     live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbeta) laid out as torch.empty_like(q, k, v, beta); dbeta is zeros unless need_dbeta.
-    live: the forward's tile map (empty or None: none)."""
+    live: the forward's tile map, saved when skip_zero (None: none)."""
     if q.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(beta)
     if backend == "triton":
         from lit_thresh.ops.triton_launch import triton_backward
 
-        live = live if live is not None and live.numel() else None
         dq, dk, dv, dbeta = triton_backward(q, k, v, beta, power, scale, dout, need_dbeta, skip_zero=skip_zero,
                                             live=live)
     else:
@@ -157,4 +156,5 @@ def threshold_attention_apply(
         if records_nothing(q, k, v, beta):  # no autograd node, no backward to write a map for
             return _forward(q, k, v, beta, power, scale, backend)[0]
         return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend, skip_zero)
+    skip_zero = skip_zero and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta))  # a map only for a backward
     return threshold_attention_op(q, k, v, beta, power, scale, backend, skip_zero)[0]

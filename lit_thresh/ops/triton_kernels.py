@@ -19,7 +19,7 @@ x = 0 before rectifying, so their weights are exactly 0 for any q, k and beta. W
 runs every tile and writes a map of the tiles whose scores may pass tau (LIVE); each backward kernel's unmasked
 loop then runs only over the tiles listed for its row (LUT, COUNTS: triton_launch.tile_lists, from that map
 or from the pre-pass threshold_live_tiles_kernel), leaving out, loads included, those whose scores are all
-<= 0 (P exactly 0, no NaN), or over all of them when none is left out; the diagonal tiles always run. Exact
+<= -margin (P exactly 0, no NaN), or over all of them when none is left out; the diagonal tiles always run. Exact
 for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without skipping). With
 USE_TMA, the input tiles come through TMA tensor descriptors (zero-filled out of bounds) instead of masked
 pointer loads.

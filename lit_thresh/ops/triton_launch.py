@@ -80,7 +80,7 @@ def _default_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> K
         )
     if dtype == torch.bfloat16:  # fwd 0.285, dq 1.306 as before; backward 1.215 ms with this dkv (was 1.307)
         return KernelConfigs(small, BlockConfig(32, 128, 4, 3, tma=True), small)
-    if head_dim > 64:  # float16, re-swept in PERF.md v7 (fwd 0.594 ms, was 0.612; backward 2.38, 2.41)
+    if head_dim > 64:  # float16, re-swept in PERF.md v7: fwd 0.594 ms (was 0.612); dK/dV and dQ kept
         return KernelConfigs(
             BlockConfig(128, 64, 8, 3, tma=True),
             BlockConfig(64, 128, 8, 3, tma=True),
@@ -184,11 +184,13 @@ def _launch_meta(cfg: BlockConfig) -> dict:
 def _margin(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """The skip_zero map's margin, (1,) float32 on the device (no host sync): 1e-2 |scale| max|q| max|k|
     over the whole call, above the difference between two kernels' products of the same rows and keys
-    (summation order; tf32's operand rounding, up to ~2e-3 relative, included). inf or NaN where q or k
-    holds one, which keeps every tile."""
+    (summation order; tf32's operand rounding, up to ~2e-3 relative, included). NaN where q or k holds an
+    inf or NaN (or the bound overflows), which keeps every tile: with an inf in q, a tile whose scores are
+    all -inf has weights 0 but gradients 0 * inf = NaN."""
     wide = torch.promote_types(q.dtype, torch.float32)
     norms = [torch.linalg.vector_norm(x, dim=-1, dtype=wide).amax().float() for x in (q, k)]
-    return (norms[0] * norms[1] * (1e-2 * abs(scale))).reshape(1)
+    margin = norms[0] * norms[1] * (1e-2 * abs(scale))
+    return torch.where(margin.isfinite(), margin, torch.nan).reshape(1)
 
 
 def _new_map(q: torch.Tensor, k: torch.Tensor, grain: tuple[int, int]) -> torch.Tensor:
@@ -206,7 +208,8 @@ def map_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
 def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, grain: tuple[int, int],
                kw: dict) -> torch.Tensor:
     """The skip_zero tile map at (block_m, block_n) = grain, from a pre-pass (threshold_live_tiles_kernel;
-    its QK^T is the whole cost), for a backward run without its forward's map: (B * Hq, cdiv(Tq, block_m),
+    its QK^T is the whole cost), for a backward called without its forward's map (triton_backward called
+    directly; the op always passes the forward's): (B * Hq, cdiv(Tq, block_m),
     cdiv(Tk, block_n)) int8, 1 where the causal (query tile, key tile) pair may hold a weight, 0 where
     every causal score of its real rows has x = scale q.k - tau <= -margin (_margin; a NaN or inf in q or
     k keeps every tile, a NaN beta its head's). kw: the constexprs of a kernel of this problem (D,
@@ -226,12 +229,10 @@ def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: floa
 def _regrain(live: torch.Tensor, size: int, grain: int, dim: int) -> torch.Tensor:
     """The map along dim at tiles of `size` instead of `grain` (one a power-of-two multiple of the other):
     a tile is live where any map tile it overlaps is."""
-    if size < grain:
-        if grain % size:
-            raise ValueError(f"skip_zero needs tile sizes that divide or are multiples of the map's, got {size} and {grain}")
-        return live.repeat_interleave(grain // size, dim=dim)
-    if size % grain:
+    if max(size, grain) % min(size, grain):
         raise ValueError(f"skip_zero needs tile sizes that divide or are multiples of the map's, got {size} and {grain}")
+    if size < grain:
+        return live.repeat_interleave(grain // size, dim=dim)
     f = size // grain
     live = torch.nn.functional.pad(live, (0, 0) * (live.dim() - 1 - dim) + (0, -live.shape[dim] % f))
     return live.unflatten(dim, (-1, f)).amax(dim=dim + 1)

@@ -145,8 +145,9 @@ def test_dispatch_cuda():
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile every
     kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed), with skip_zero
-    off and (bf16) on, and the skip_zero tile-map pre-pass. The bf16 case types the float scalars fp64, as
-    torch.compile passes Python floats to user kernels."""
+    off and (bf16) on, the fp16 forward writing its map through row-scaled scores (p = 2), and the
+    skip_zero tile-map pre-pass. The bf16 case types the float scalars fp64, as torch.compile passes Python
+    floats to user kernels."""
     script = textwrap.dedent(
         """
         import itertools, triton
@@ -155,11 +156,13 @@ def test_kernels_compile_for_hopper(tmp_path):
         from lit_thresh.ops import triton_kernels as tk
 
         names = ("threshold_fwd_kernel", "threshold_bwd_dkv_kernel", "threshold_bwd_dq_kernel")
-        cases = [(name, dtype, False) for name in names for dtype in ("fp16", "bf16", "fp32")]
-        cases += [(name, "bf16", True) for name in names] + [("threshold_live_tiles_kernel", "fp32", True)]
         shapes = {"fp16": (48, 0, "fp32"), "bf16": (64, 2, "fp64"), "fp32": (128, 1, "fp32")}
-        for name, dtype, skip in cases:
-            (d, power_mode, float_type), kernel = shapes[dtype], getattr(tk, name)
+        cases = [(name, dtype, False, shapes[dtype]) for name in names for dtype in ("fp16", "bf16", "fp32")]
+        cases += [(name, "bf16", True, shapes["bf16"]) for name in names]
+        cases += [("threshold_fwd_kernel", "fp16", True, (64, 2, "fp32")),
+                  ("threshold_live_tiles_kernel", "fp32", True, shapes["fp32"])]
+        for name, dtype, skip, (d, power_mode, float_type) in cases:
+            kernel = getattr(tk, name)
             n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
             consts = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
                           BLOCK_M=64, BLOCK_N=64, POWER_MODE=power_mode, ROW_SCALE=dtype == "fp16",

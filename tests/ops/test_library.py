@@ -52,6 +52,33 @@ def test_opcheck_triton_backend(layout, skip_zero):
     torch.library.opcheck(threshold_attention_op, (q, k, v, beta, *rest, skip_zero))
 
 
+@pytest.mark.gpu
+def test_opcheck_with_skip_zero_at_the_default_fp16_tiles():
+    """The op's fake map has the real map's shape where the forward's tiles (128x64 at fp16, D = 128)
+    differ from the backward kernels' and the sizes are not multiples of them."""
+    q, k, v, beta, *rest = _op_args("triton", torch.float16, hq=2, hkv=1, tq=200, tk=200, d=128, dv=128)
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(threshold_attention_op, (q, k, v, beta.detach().cuda().requires_grad_(), *rest, True))
+
+
+def test_a_call_with_no_gradient_to_record_asks_the_op_for_no_map(monkeypatch):
+    """On the op's path (tracing, fake tensors) as on the eager one, skip_zero only makes the forward write
+    its map when a backward can follow."""
+    from lit_thresh.ops import function
+
+    calls = []
+    real = function.threshold_attention_op
+    monkeypatch.setattr(function, "threshold_attention_op", lambda *args: calls.append(args[-1]) or real(*args))
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 64, 16)
+        leaf = torch.empty(1, 2, 64, 16, requires_grad=True)
+        with torch.no_grad():
+            function.threshold_attention_apply(leaf, q, q, torch.ones(2), 2.0, 1.0, "triton", True)
+        function.threshold_attention_apply(q, q, q, torch.ones(2), 2.0, 1.0, "triton", True)
+        function.threshold_attention_apply(leaf, q, q, torch.ones(2), 2.0, 1.0, "triton", True)
+    assert calls == [False, False, True]
+
+
 def test_fake_tensors_give_shapes_and_dtypes_without_computing():
     with FakeTensorMode():
         q = torch.empty(2, 4, 5, 16, dtype=torch.bfloat16)

@@ -101,6 +101,47 @@ def test_a_nan_tile_is_not_skipped(device):
         assert not any(g[0, 1].isnan().any() for g in (out, dq, dk, dv))
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_backward_skips_what_its_map_leaves_out(device):
+    """The backward really runs over the map's lists: given a map of zeros it leaves out the tiles whose
+    weights are not zero (its gradients change), given a map of ones it runs every tile (the same as skip
+    off, bit for bit). A map of the wrong shape or dtype is refused by name."""
+    gen = generator("skip-lists", device)
+    (q, k, v), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
+    dout = randn(gen, 1, 2, 80, 16, device=device)
+    off = triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, _configs(False, BLOCK, False))
+    cfgs = _configs(True, BLOCK, False)
+    live = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)[1]
+    none = triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=torch.zeros_like(live))
+    every = triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=torch.ones_like(live))
+    assert not torch.equal(none[0], off[0]) and not torch.equal(none[1], off[1])
+    assert all(torch.equal(a, b) for a, b in zip(every, off))
+    for bad in (live[:, :-1], live.int()):
+        with pytest.raises(ValueError, match="live must be the forward's int8 map"):
+            triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=bad)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_an_inf_in_q_keeps_every_tile(device):
+    """A query tile whose rows are inf along one axis scores -inf (weight 0) on keys pointing away from
+    it, but its gradient into those keys is 0 * inf = NaN: with an inf in q or k nothing is skipped, so
+    skip on and off agree, NaN for NaN."""
+    gen = generator("skip-inf", device)
+    (q, k, v), beta = _sparse_inputs(gen, device, torch.float32, 80, 16)
+    q[0, 0, 64:] = 0.0
+    q[0, 0, 64:, 0] = float("inf")  # query tile 4 of head 0
+    k[0, 0, :, 0] = -k[0, 0, :, 0].abs() - 0.1  # every key scores -inf with those rows
+    dout = randn(gen, 1, 2, 80, 16, device=device)
+    causal = torch.ones(5, 5, dtype=torch.bool, device=device).tril()
+    for source in ("prepass", "forward"):
+        assert _tile_map(source, q, k, beta, (16, 16)).bool().equal(causal.expand(2, 5, 5))
+    off, *ons = _run_both(q, k, v, beta, dout, BLOCK)
+    assert off[2][0, 0, :64, 0].isnan().all()  # dk: 0 * inf
+    for on in ons:
+        for a, b in zip(off, on):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 def _true_live_tiles(q, k, beta, block_m: int, block_n: int) -> torch.Tensor:
     """(B * H, n_m, n_n) bool: the (query tile, key tile) pairs holding a nonzero float64 weight."""
     w = threshold_attention_weights(q.double(), k.double(), beta.double(), 2.0)  # (B, H, Tq, Tk)
@@ -111,15 +152,15 @@ def _true_live_tiles(q, k, beta, block_m: int, block_n: int) -> torch.Tensor:
     return tiles.ne(0).any(-1).any(-2).flatten(0, 1)
 
 
-def _tile_map(source: str, q, k, beta, grain: tuple[int, int]) -> torch.Tensor:
+def _tile_map(source: str, q, k, beta, grain: tuple[int, int], power: float = 2.0) -> torch.Tensor:
     """The skip_zero map at grain from the pre-pass (live_tiles) or written by the forward kernel."""
     from lit_thresh.ops.triton_launch import _problem_plan, live_tiles
 
     if source == "prepass":
-        _, (_, kw), _ = _problem_plan(q, q, 2.0, None)
+        _, (_, kw), _ = _problem_plan(q, q, power, None)
         return live_tiles(q, k, beta, 1.0, grain, kw)
     cfg = BlockConfig(*grain, skip_zero=True)
-    return triton_forward(q, k, k, beta, 2.0, 1.0, KernelConfigs(cfg, cfg, cfg))[1]
+    return triton_forward(q, k, k, beta, power, 1.0, KernelConfigs(cfg, cfg, cfg))[1]
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -143,12 +184,14 @@ def test_the_tile_map_keeps_every_tile_with_a_weight_and_drops_most_others(devic
     assert live[1, 30 // block_m, : (24 + 30) // block_n + 1].all()  # every causal key tile of the NaN row
 
 
-@pytest.mark.parametrize("source,dtype", [("prepass", torch.float32), ("forward", torch.float32),
-                                          ("forward", torch.float16)], ids=str)
-def test_the_tile_map_keeps_scores_within_its_margin_of_tau_and_a_nan_beta_head(source, dtype):
+@pytest.mark.parametrize("source,dtype,power", [("prepass", torch.float32, 2.0), ("forward", torch.float32, 2.0),
+                                                ("forward", torch.float16, 2.0), ("forward", torch.float16, 1.0),
+                                                ("forward", torch.float16, 0.5)], ids=str)
+def test_the_tile_map_keeps_scores_within_its_margin_of_tau_and_a_nan_beta_head(source, dtype, power):
     """A tile whose scores sit just below tau (x = -margin / 2: weight 0 here, but another product's
     rounding could lift it above) stays live; one 5 margins below is dropped. A NaN beta keeps every causal
-    tile of its head and no other head's. The forward in float16 scales its scores by rows, and its cut."""
+    tile of its head and no other head's. The forward in float16 scales its scores by rows for p = 1 and 2,
+    and its cut with them; for other p it scales P instead."""
     t, d = 64, 16
     u = torch.zeros(d)
     u[0] = 1.0
@@ -160,10 +203,10 @@ def test_the_tile_map_keeps_scores_within_its_margin_of_tau_and_a_nan_beta_head(
     q[0, :, 40, 0] = tau(40) - margin / 2  # row 40 (query tile 2): x = -margin / 2 on keys 0..40
     q[0, :, 50, 0] = tau(50) - 5 * margin  # row 50 (query tile 3): x = -5 margins
     q, k = q.to(dtype), k.to(dtype)
-    live = _tile_map(source, q, k, beta, (16, 16))  # (2, 4, 4)
+    live = _tile_map(source, q, k, beta, (16, 16), power)  # (2, 4, 4)
     assert live[:, 2, :3].all() and not live[:, 3].any() and not live[:, :2].any()
     beta[0] = float("nan")
-    live = _tile_map(source, q, k, beta, (16, 16))
+    live = _tile_map(source, q, k, beta, (16, 16), power)
     assert live[0].bool().equal(torch.ones(4, 4, dtype=torch.bool).tril()) and not live[1, 3].any()
 
 
@@ -187,7 +230,7 @@ def test_skip_on_and_off_agree_with_the_default_tiles_on_a_gpu(dtype, d):
     for cfgs in (default_configs(d, dtype), skip_zero_configs(d, dtype)):
         out, live = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)
         results.append((out, *triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=live)))
-    assert not live.all(), "the forward's map must leave tiles to skip"
+    assert not live[:, 2:, 0].all(), "the forward's map must leave unmasked tiles to skip"
     assert results[0][0].abs().sum() > 0
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -269,6 +312,13 @@ def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, gr
     assert sum(map(len, want)) > 0
 
 
+def test_tile_lists_refuse_a_map_whose_tiles_do_not_nest_in_the_kernels():
+    from lit_thresh.ops.triton_launch import tile_lists
+
+    with pytest.raises(ValueError, match="divide or are multiples of the map's, got 32 and 48"):
+        tile_lists(torch.ones(1, 2, 2, dtype=torch.int8), (48, 16), BlockConfig(32, 16), 96, 32, by_key=False)
+
+
 def test_the_public_op_and_the_attention_variant_take_skip_zero(monkeypatch):
     """threshold_attention(..., skip_zero=True) and ThresholdAttention(skip_zero=True) reach the skipping
     kernels: the forward writes a map with tiles to skip, the backward skips by it (no pre-pass), and
@@ -295,7 +345,7 @@ def test_the_public_op_and_the_attention_variant_take_skip_zero(monkeypatch):
         out = threshold_attention(*leaves, backend="triton", skip_zero=skip)
         results.append((out, *torch.autograd.grad(out, leaves, dout)))
     assert maps[0][1] is None and given[0] is None
-    assert given[1] is maps[1][1] and not maps[1][1].all()
+    assert given[1] is maps[1][1] and not maps[1][1][:, 2:, 0].all()  # (B * H, 5, 5) at 16x16
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
