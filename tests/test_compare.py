@@ -3,13 +3,13 @@ at once through the installed command on CPU, its resumption; and on their own: 
 folder names, the best value per cell, --rerun, --only/--list, the argument checks, the table, CSV and plot.
 tests/test_compare_runs.py: resuming unfinished runs, changed config contents, locks, the best checkpoint."""
 
+import _thread
 import csv
 import json
 import math
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -506,15 +506,16 @@ def test_device_slots(monkeypatch):
 
 
 def test_ctrl_c_terminates_the_runs_and_exits_130(tmp_path, capsys, monkeypatch):
-    """A run that would sleep a minute; Ctrl-C (SIGINT to this process) while it runs stops it and the
-    comparison, with one line and status 130."""
+    """A run that would sleep a minute; Ctrl-C (SIGINT, raised in the main thread as Python's handler
+    does, so that no signal state other tests in this worker leave behind decides it) while it runs stops
+    it and the comparison, with one line and status 130."""
     started = []
 
     def sleeping_launch(subcommand, args, log, run, env, prefix):
         process = runner.PROCESSES.start([sys.executable, "-c", "import time; time.sleep(60)"], env)
         started.append(process)
         time.sleep(0.5)
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C, to the thread that handles it
+        _thread.interrupt_main(signal.SIGINT)  # Ctrl-C as Python's main thread sees it
         process.wait()
         runner.PROCESSES.finished(process)
         raise runner.Interrupted

@@ -156,5 +156,6 @@ def threshold_attention_apply(
         if records_nothing(q, k, v, beta):  # no autograd node, no backward to write a map for
             return _forward(q, k, v, beta, power, scale, backend)[0]
         return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend, skip_zero)
-    skip_zero = skip_zero and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta))  # a map only for a backward
+    # a map only where a backward can follow
+    skip_zero = skip_zero and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta))
     return threshold_attention_op(q, k, v, beta, power, scale, backend, skip_zero)[0]
