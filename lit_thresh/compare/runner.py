@@ -99,18 +99,24 @@ class _Processes:
         return len(live)
 
 
+STOP = threading.Event()  # set by Ctrl-C, SIGTERM or SIGHUP inside signals_as_interrupt; run_all acts on it
+
+
 @contextmanager
 def signals_as_interrupt() -> Iterator[None]:
-    """In the block, SIGTERM and SIGHUP (a closed terminal) end the comparison as Ctrl-C does, terminating
-    its runs (which, in sessions of their own, would not get them) instead of leaving them running."""
+    """In the block, Ctrl-C, SIGTERM and SIGHUP (a closed terminal) only set STOP; run_all's loop then
+    terminates the runs (which, in sessions of their own, would not get the signal) and raises Interrupted.
+    A KeyboardInterrupt raised by the signal itself could land inside the thread pool's or a future's
+    locks and leave them held."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        STOP.set()
 
-    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    STOP.clear()
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
@@ -356,7 +362,9 @@ def run_all(
         futures += [executor.submit(one, run) for run in todo]
         pending = set(futures)
         while pending:  # a timeout, so that Ctrl-C is seen at once
-            pending = wait(pending, timeout=1.0).not_done
+            if STOP.is_set():
+                raise KeyboardInterrupt
+            pending = wait(pending, timeout=0.2).not_done
     except KeyboardInterrupt:
         stopped = PROCESSES.terminate_all()
         executor.shutdown(wait=True, cancel_futures=True)
