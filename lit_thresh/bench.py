@@ -34,6 +34,8 @@ from multiprocessing import get_context
 import torch
 import torch.nn.functional as F
 
+from lit_thresh.ops.fast_launch import FastLaunch
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 SDPA_VARIANTS = ("sdpa cudnn", "sdpa flash")
 SEGMENT = 512  # positions sharing one direction in the sparse-map inputs
@@ -311,21 +313,39 @@ def _no_launch(*args, **kwargs) -> None:
     return None
 
 
+class _TritonPath(FastLaunch):
+    """Launches through Triton's own `kernel[grid](...)` at every call, as before FastLaunch."""
+
+    def __call__(self, grid, tensors, scalars, constexprs, **flags) -> None:
+        self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
+
+
 @contextlib.contextmanager
-def stubbed_launches():
-    """The single op's Triton launches replaced by no-ops (its outputs are left unwritten): what remains of
-    a call's host time is our Python and the torch ops around the kernels, not Triton's launcher."""
+def _swapped_launches(make: Callable[[object], FastLaunch]):
+    """The single op's three launchers replaced by make(kernel) for the duration."""
     from lit_thresh.ops import triton_launch
 
-    names = ("threshold_fwd_kernel", "threshold_bwd_dkv_kernel", "threshold_bwd_dq_kernel")
+    names = ("_FWD", "_BWD_DKV", "_BWD_DQ")
     saved = {name: getattr(triton_launch, name) for name in names}
     for name in names:
-        setattr(triton_launch, name, _NoLaunch())
+        setattr(triton_launch, name, make(saved[name].kernel))
     try:
         yield
     finally:
-        for name, kernel in saved.items():
-            setattr(triton_launch, name, kernel)
+        for name, launcher in saved.items():
+            setattr(triton_launch, name, launcher)
+
+
+def stubbed_launches():
+    """The single op's Triton launches replaced by no-ops (its outputs are left unwritten): what remains of
+    a call's host time is our Python and the torch ops around the kernels (each launcher still builds its
+    key, then finds no compiled kernel), not Triton's launcher."""
+    return _swapped_launches(lambda kernel: FastLaunch(_NoLaunch()))
+
+
+def triton_path_launches():
+    """The single op's launches through Triton's own argument binding at every call (no FastLaunch)."""
+    return _swapped_launches(_TritonPath)
 
 
 def _host_us(fn: Callable[[], object], calls: int) -> float:
@@ -344,8 +364,9 @@ def _host_us(fn: Callable[[], object], calls: int) -> float:
 
 def host_overhead(calls: int = 2000) -> list[HostResult]:
     """Host time per call on tiny (1, 2, 128, 64) bf16 inputs (kernel time is far below it). The single
-    op's cases run again with its Triton launches stubbed out ('no launch'): our Python and torch ops;
-    the difference is Triton's launcher. A float beta costs a torch.full per call; a model passes its (H,)
+    op's cases run again through Triton's own launch path at every call (no FastLaunch: what
+    lit_thresh/ops/fast_launch.py saves), and with its Triton launches stubbed out ('no launch'): our
+    Python and torch ops; the difference is the launcher. A float beta costs a torch.full per call; a model passes its (H,)
     beta tensor."""
     from lit_thresh.ops import threshold_attention
 
@@ -364,6 +385,8 @@ def host_overhead(calls: int = 2000) -> list[HostResult]:
         "sdpa forward + backward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout),
     }
     out = [HostResult(name, _host_us(fn, calls)) for name, fn in {**ours, **sdpa}.items()]
+    with triton_path_launches():
+        out += [HostResult(f"{name} [Triton's launch path]", _host_us(fn, calls)) for name, fn in ours.items()]
     with stubbed_launches():
         out += [HostResult(f"{name} [no launch]", _host_us(fn, calls)) for name, fn in ours.items()]
     return out

@@ -45,7 +45,8 @@ from lit_thresh.compare.state import (
 )
 
 STOP_TIMEOUT_S = 30  # after SIGTERM, how long a run may take to stop before SIGKILL
-OUT_OF_MEMORY = (b"torch.OutOfMemoryError", b"CUDA out of memory")  # what a run's log says when its GPU ran out
+OUT_OF_MEMORY = (  # what a run's log says when its GPU ran out (the allocator's error, or CUDA's or cuBLAS's own)
+    b"torch.OutOfMemoryError", b"CUDA out of memory", b"CUDA error: out of memory", b"CUBLAS_STATUS_ALLOC_FAILED")
 LOGS = ("fit.log", "test.log")
 
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from lit_thresh.ops.backend import triton_interpreting
+from lit_thresh.ops.fast_launch import FastLaunch
 from lit_thresh.ops.triton_kernels import (
     _any_live,
     _as_fp32,
@@ -494,6 +495,10 @@ def diff_threshold_bwd_dq_kernel(
         tl.store(DLAM_ROWS + row, -dlam_sum, mask=offs_m < TQ)
 
 
+_FWD, _BWD_DKV, _BWD_DQ = map(FastLaunch, (diff_threshold_fwd_kernel, diff_threshold_bwd_dkv_kernel,
+                                             diff_threshold_bwd_dq_kernel))
+
+
 def default_diff_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
     """Tiles per kernel for the larger of the q/k and v head dims (cached). fp16/bf16 up to D = 128: the
     fastest config per kernel of an H200 sweep at T = 4096 (recorded in
@@ -604,11 +609,11 @@ def diff_triton_forward(
     cfg = (configs or default_diff_configs(max(d, dv), q1.dtype)).fwd
     meta = _kernel_meta(cfg, q1, d, dv, power, True)
     k_norms = _stacked_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
-    diff_threshold_fwd_kernel[(-(-tq // cfg.block_m), b * hq)](  # ceil-division in plain ints: no triton.cdiv
-        q1, q2, k1, k2, v, out, beta, lam, k_norms,
-        *q1.stride(), *k1.stride(), *v.stride(), *out.stride(),
-        hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
-        **meta,
+    _FWD(
+        (-(-tq // cfg.block_m), b * hq),  # ceil-division in plain ints: no triton.cdiv
+        (q1, q2, k1, k2, v, out, beta, lam, k_norms),
+        (*q1.stride(), *k1.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power, 2.0 / d),
+        meta,
     )
     return out
 
@@ -645,20 +650,21 @@ def diff_triton_backward(
         kv_norms = _stacked_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
     else:
         qdo_norms = kv_norms = beta
-    diff_threshold_bwd_dkv_kernel[(-(-tk // cfg.block_n), b * hkv)](
-        q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, lam, qdo_norms,
-        *q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(),
-        hkv, hq // hkv, *scalars, **meta,
+    _BWD_DKV(
+        (-(-tk // cfg.block_n), b * hkv), (q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, lam, qdo_norms),
+        (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(), hkv, hq // hkv,
+         *scalars),
+        meta,
     )
 
     cfg = cfgs.bwd_dq
     dbeta_rows, dlam_rows = (  # (B, Hq, Tq) each; dq1: a placeholder the kernel does not touch
         torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need else dq1 for need in (need_dbeta, need_dlam)
     )
-    diff_threshold_bwd_dq_kernel[(-(-tq // cfg.block_m), b * hq)](
-        q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, lam, kv_norms,
-        *q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(),
-        hq, hq // hkv, *scalars, **_kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam),
+    _BWD_DQ(
+        (-(-tq // cfg.block_m), b * hq), (q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, lam, kv_norms),
+        (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(), hq, hq // hkv, *scalars),
+        _kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam),
     )
     dbeta = dbeta_rows.sum(dim=(0, 2)).to(beta.dtype) if need_dbeta else None  # (Hq,)
     dlam = dlam_rows.sum(dim=(0, 2)).to(lam.dtype) if need_dlam else None  # (Hq,)

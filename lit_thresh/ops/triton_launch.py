@@ -10,12 +10,15 @@ import torch
 import triton
 
 from lit_thresh.ops.backend import triton_interpreting
+from lit_thresh.ops.fast_launch import FastLaunch
 from lit_thresh.ops.triton_kernels import (
     threshold_bwd_dkv_kernel,
     threshold_bwd_dq_kernel,
     threshold_fwd_kernel,
     threshold_live_tiles_kernel,
 )
+
+_FWD, _BWD_DKV, _BWD_DQ = map(FastLaunch, (threshold_fwd_kernel, threshold_bwd_dkv_kernel, threshold_bwd_dq_kernel))
 
 
 @dataclass(frozen=True)
@@ -289,11 +292,10 @@ def triton_forward(
     margin = live = None
     if cfg.skip_zero:
         margin, live = _margin(q, k, scale), _new_map(q, k, (cfg.block_m, cfg.block_n))
-    threshold_fwd_kernel[grid](
-        *srcs, out, beta, k_norms, beta if margin is None else margin, beta if live is None else live,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        hq, hq // hkv, tq, tk, scale, power, 2.0 / d,
-        USE_TMA=use_tma, **kw,
+    _FWD(
+        grid, (*srcs, out, beta, k_norms, beta if margin is None else margin, beta if live is None else live),
+        (*q.stride(), *k.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power, 2.0 / d),
+        kw, USE_TMA=use_tma,
     )
     return out, live
 
@@ -345,21 +347,19 @@ def triton_backward(
         dq_lists, dq_counts = tile_lists(live, grain, dq_cfg, tq, tk, by_key=False)
     m, n = dkv_cfg.block_m, dkv_cfg.block_n
     srcs, use_tma = _sources(dkv_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
-    threshold_bwd_dkv_kernel[(-(-tk // n), b * hkv)](
-        *srcs, dk, dval, beta, qdo_norms, dkv_lists, dkv_counts,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dval.stride(),
-        hkv, hq // hkv, *scalars,
-        USE_TMA=use_tma, **dkv_kw,
+    _BWD_DKV(
+        (-(-tk // n), b * hkv), (*srcs, dk, dval, beta, qdo_norms, dkv_lists, dkv_counts),
+        (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dval.stride(), hkv, hq // hkv, *scalars),
+        dkv_kw, USE_TMA=use_tma,
     )
 
     dbeta_rows = torch.empty(b * hq, tq, device=q.device, dtype=torch.float32) if need_dbeta else dq
     m, n = dq_cfg.block_m, dq_cfg.block_n
     srcs, use_tma = _sources(dq_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
-    threshold_bwd_dq_kernel[(-(-tq // m), b * hq)](
-        *srcs, dq, dbeta_rows, beta, kv_norms, dq_lists, dq_counts,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        hq, hq // hkv, *scalars,
-        BETA_GRAD=need_dbeta, USE_TMA=use_tma, **dq_kw,
+    _BWD_DQ(
+        (-(-tq // m), b * hq), (*srcs, dq, dbeta_rows, beta, kv_norms, dq_lists, dq_counts),
+        (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), hq, hq // hkv, *scalars),
+        dq_kw, BETA_GRAD=need_dbeta, USE_TMA=use_tma,
     )
     dbeta = dbeta_rows.view(b, hq, tq).sum(dim=(0, 2)) if need_dbeta else None  # float32, as beta
     return dq, dk, dval, dbeta

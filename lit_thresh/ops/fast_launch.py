@@ -1,0 +1,76 @@
+"""Kernel launches that skip Triton's per-call argument binding once a kernel is compiled.
+
+`kernel[grid](*args, **constexprs)` binds and specialises every argument, builds a cache key from them,
+checks the kernel's globals and only then launches. On the H200's host that took about 12 us of the
+forward's ~40 us launch (lit_thresh/ops/PERF.md, v8; one loop per row, so within noise). `FastLaunch` takes that path once
+per distinct set of what Triton specialises on, keeps the `CompiledKernel` it returns, and launches that
+directly afterwards. The key holds every int and float argument by value and every tensor's dtype and
+16-byte alignment (what Triton specialises pointers on), so a hit is a call Triton would have compiled
+to the same kernel.
+
+This file is the only place that relies on Triton internals: `JITFunction.run` returning the
+`CompiledKernel`, and `CompiledKernel[grid](*every_argument)` launching it (constexprs included, in the
+kernel's parameter order). tests/ops/test_fast_launch.py fails when either moves. Under the interpreter
+every launch takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from lit_thresh.ops.backend import triton_interpreting
+
+MAX_ENTRIES = 256  # compiled-kernel entries kept per kernel; lengths that change every call (decoding) refill it
+
+
+def _tensor_key(arg: torch.Tensor | TensorDescriptor) -> tuple:
+    """What Triton's specialisation of a tensor (pointer) or tensor descriptor argument depends on."""
+    if isinstance(arg, TensorDescriptor):
+        return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
+                tuple(arg.block_shape), arg.padding)
+    return arg.dtype, arg.data_ptr() % 16 == 0
+
+
+class FastLaunch:
+    """Launches one Triton kernel: `launch(grid, tensors, scalars, constexprs, **flags)` does what
+    `kernel[grid](*tensors, *scalars, **constexprs, **flags)` does. tensors: the leading runtime arguments
+    (tensors or tensor descriptors); scalars: the ints and floats after them; constexprs:
+    a cached mapping of constexprs and launch options (num_warps, num_stages), the same object at every
+    call of one configuration (it is keyed by identity and kept alive by its entries); flags: constexprs
+    that change between calls."""
+
+    __slots__ = ("kernel", "entries")
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.entries: dict = {}  # key -> (CompiledKernel, the trailing arguments, constexprs)
+
+    def __call__(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: Mapping,
+                 **flags: object) -> None:
+        if triton_interpreting():
+            self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
+            return
+        key = (id(constexprs), tuple(flags.items()), torch.cuda.current_device(), tuple(map(type, scalars)), scalars,
+               *[_tensor_key(t) for t in tensors])  # a scalar's type too: 1 and 1.0 are equal keys, not Triton types
+        entry = self.entries.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
+            if compiled is not None:
+                if len(self.entries) >= MAX_ENTRIES:
+                    self.entries.clear()
+                tail = self._tail(len(tensors) + len(scalars), {**constexprs, **flags})
+                self.entries[key] = (compiled, tail, constexprs)
+            return
+        self.run(entry[0], grid, (*tensors, *scalars), entry[1])
+
+    def _tail(self, n_args: int, named: Mapping) -> tuple:
+        """The values of the kernel's parameters after the first n_args: named ones, else their defaults."""
+        return tuple(named[p.name] if p.name in named else p.default for p in self.kernel.params[n_args:])
+
+    @staticmethod
+    def run(compiled, grid: tuple[int, ...], args: tuple, tail: tuple) -> None:
+        """Launch a compiled kernel (grid padded to three dimensions) on the current stream."""
+        compiled[(grid + (1, 1))[:3]](*args, *tail)

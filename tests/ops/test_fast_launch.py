@@ -1,0 +1,134 @@
+"""FastLaunch (lit_thresh/ops/fast_launch.py): one Triton launch through `kernel[grid]` per distinct
+specialisation, then the compiled kernel directly. The Triton internals it relies on are checked here, so
+that a Triton upgrade that moves them fails a test instead of a launch."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from triton.compiler.compiler import CompiledKernel
+from triton.runtime.jit import JITFunction
+
+from lit_thresh.ops import fast_launch
+from lit_thresh.ops.fast_launch import FastLaunch
+from lit_thresh.ops.triton_differential import diff_threshold_bwd_dq_kernel
+from lit_thresh.ops.triton_kernels import threshold_fwd_kernel
+from tests.ops.helpers import TOLERANCE, generator, randn, reference_with_grads, rel_err
+
+
+def test_the_triton_internals_fast_launch_uses_are_where_it_expects_them():
+    """JITFunction.run returns the CompiledKernel it launched; CompiledKernel[grid] is a runner taking every
+    argument positionally; a JITFunction's params are its parameters in order, with their defaults."""
+    assert "return kernel" in inspect.getsource(JITFunction.run)
+    runner_src = inspect.getsource(CompiledKernel.__getitem__)
+    assert "def runner(*args, stream=None)" in runner_src and "grid[2]" in runner_src
+    for kernel in (threshold_fwd_kernel, diff_threshold_bwd_dq_kernel):
+        signature = inspect.signature(kernel.fn)
+        params = JITFunction(kernel.fn).params  # as on a GPU (under the interpreter the kernels are wrapped otherwise)
+        assert [p.name for p in params] == list(signature.parameters)
+        assert [p.default for p in params] == [v.default for v in signature.parameters.values()]
+
+
+class _Compiled:
+    """Stands in for a CompiledKernel: records the launches of `compiled[grid](*args)`."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+
+
+class _Kernel:
+    """Stands in for a JITFunction with parameters (X, n, scale, BLOCK: constexpr, FLAG: constexpr = False):
+    `kernel[grid](...)` records the call, 'compiles' and returns a fresh _Compiled."""
+
+    params = [_Param("X"), _Param("n"), _Param("scale"), _Param("BLOCK"), _Param("FLAG", False)]
+
+    def __init__(self):
+        self.calls, self.compiled = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            self.compiled.append(_Compiled())
+            return self.compiled[-1]
+        return run
+
+
+@pytest.fixture
+def compiled_mode(monkeypatch):
+    """FastLaunch as on a GPU (not interpreting), on CPU tensors."""
+    monkeypatch.setattr(fast_launch, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_the_second_launch_goes_to_the_compiled_kernel_with_every_argument_in_order(compiled_mode):
+    kernel, x = _Kernel(), torch.arange(8.0)
+    launch, meta = FastLaunch(kernel), {"BLOCK": 32, "num_warps": 4}
+    launch((3, 2), (x,), (7, 0.5), meta)
+    assert kernel.calls == [((3, 2), (x, 7, 0.5), {"BLOCK": 32, "num_warps": 4})]
+    launch((5, 2), (x,), (7, 0.5), meta)
+    launch((5, 2), (x,), (7, 0.5), meta, FLAG=True)  # another constexpr: Triton's path again
+    assert len(kernel.calls) == 2 and kernel.calls[1][2] == {"BLOCK": 32, "num_warps": 4, "FLAG": True}
+    # the runtime arguments, then the constexprs in parameter order (FLAG from its default), grid padded to 3-D
+    assert kernel.compiled[0].launches == [((5, 2, 1), (x, 7, 0.5, 32, False))]
+    launch((1,), (x,), (7, 0.5), meta, FLAG=True)
+    assert kernel.compiled[1].launches == [((1, 1, 1), (x, 7, 0.5, 32, True))]
+
+
+def test_what_triton_specialises_on_gets_its_own_compiled_kernel(compiled_mode):
+    """A new int value, a number of another type, a misaligned or other-dtype tensor, another constexpr
+    mapping: each takes Triton's path (which compiles what it must); the same values find their kernel."""
+    kernel, x = _Kernel(), torch.arange(16.0)
+    launch, meta = FastLaunch(kernel), {"BLOCK": 32}
+    cases = [((x,), (7, 0.5)), ((x,), (16, 0.5)), ((x,), (1, 0.5)), ((x,), (1.0, 0.5)), ((x[1:],), (7, 0.5)),
+             ((x.double(),), (7, 0.5))]
+    for tensors, scalars in cases:
+        launch((1,), tensors, scalars, meta)
+    launch((1,), (x,), (7, 0.5), {"BLOCK": 32})  # equal, but another object: not assumed the same
+    assert len(kernel.calls) == len(cases) + 1
+    for tensors, scalars in cases:
+        launch((1,), tensors, scalars, meta)
+    assert len(kernel.calls) == len(cases) + 1
+    assert [len(c.launches) for c in kernel.compiled] == [1] * len(cases) + [0]
+
+
+def test_the_entries_are_bounded(compiled_mode, monkeypatch):
+    monkeypatch.setattr(fast_launch, "MAX_ENTRIES", 3)
+    kernel, x = _Kernel(), torch.arange(4.0)
+    launch, meta = FastLaunch(kernel), {"BLOCK": 32}
+    for n in range(10):  # lengths that change at every call, as in decoding
+        launch((1,), (x,), (n + 2, 0.5), meta)
+    assert len(launch.entries) <= 3 and len(kernel.calls) == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_launches_after_the_first_match_the_reference_when_alignment_changes(dtype):
+    """The same op called on 16-byte-aligned inputs, then on views one element off (Triton compiles a kernel
+    without the alignment assumption), then aligned again (the first kernel, from FastLaunch's entries):
+    every output and gradient matches the float64 reference."""
+    from lit_thresh.ops import threshold_attention, triton_launch
+
+    gen = generator("fast-launch", dtype)
+    base = [randn(gen, 2 * 128 * 64 + 1, dtype=dtype, device="cuda") for _ in range(4)]
+    beta = torch.tensor([0.5, 1.0], device="cuda", requires_grad=True)
+    for offset in (0, 1, 0, 1):
+        q, k, v, dout = (t[offset:offset + 2 * 128 * 64].view(1, 2, 128, 64) for t in base)  # (B, H, T, D)
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        beta.grad = None
+        out = threshold_attention(q, k, v, beta, 2.0, backend="triton")
+        out.backward(dout)
+        ref, grads = reference_with_grads(q, k, v, beta, 2.0, 1.0, dout)
+        assert rel_err(out, ref) < TOLERANCE[dtype]
+        for got, want in zip((q.grad, k.grad, v.grad, beta.grad), grads):
+            assert rel_err(got, want) < TOLERANCE[dtype]
+    assert len(triton_launch._FWD.entries) >= 2  # one per alignment (at least)
