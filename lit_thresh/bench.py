@@ -25,6 +25,7 @@ import csv
 import math
 import os
 import re
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -33,8 +34,6 @@ from multiprocessing import get_context
 
 import torch
 import torch.nn.functional as F
-
-from lit_thresh.ops.fast_launch import FastLaunch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 SDPA_VARIANTS = ("sdpa cudnn", "sdpa flash")
@@ -62,8 +61,12 @@ class Result:
 
 @dataclass
 class HostResult:
+    """Host time per call, no synchronisation between calls: the median over repeated loops, and their range."""
+
     variant: str
-    host_us: float  # host time per call, no synchronisation between calls
+    host_us: float
+    host_us_min: float = math.nan
+    host_us_max: float = math.nan
 
 
 @dataclass
@@ -133,15 +136,18 @@ def format_table(results: Sequence[Result]) -> str:
 
 
 def format_host(results: Sequence[HostResult]) -> str:
-    return "\n".join(["host time per call (us), no synchronisation:"] + [f"  {r.variant:<56} {r.host_us:8.1f}" for r in results])
+    lines = ["host time per call (us), no synchronisation: median [min - max] over repeated loops"]
+    return "\n".join(lines + [f"  {r.variant:<66} {r.host_us:8.1f} [{r.host_us_min:.1f} - {r.host_us_max:.1f}]"
+                              for r in results])
 
 
 def write_csv(path: str, results: Sequence[Result], host: Sequence[HostResult] = ()) -> None:
     """One CSV line per result (derived columns included), then one per host-overhead measurement."""
-    rows = derived(results) + [{"variant": h.variant, "host_us": h.host_us} for h in host]
+    host_keys = ["host_us", "host_us_min", "host_us_max"]
+    rows = derived(results) + [{"variant": h.variant, **{k: getattr(h, k) for k in host_keys}} for h in host]
     keys = [f.name for f in fields(Result)] + [k for k, _, _ in COLUMNS if k not in {f.name for f in fields(Result)}]
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys + ["host_us"], restval="")
+        writer = csv.DictWriter(f, fieldnames=keys + host_keys, restval="")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -313,15 +319,8 @@ def _no_launch(*args, **kwargs) -> None:
     return None
 
 
-class _TritonPath(FastLaunch):
-    """Launches through Triton's own `kernel[grid](...)` at every call, as before FastLaunch."""
-
-    def __call__(self, grid, tensors, scalars, constexprs, **flags) -> None:
-        self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
-
-
 @contextlib.contextmanager
-def _swapped_launches(make: Callable[[object], FastLaunch]):
+def _swapped_launches(make: Callable[[object], object]):
     """The single op's three launchers replaced by make(kernel) for the duration."""
     from lit_thresh.ops import triton_launch
 
@@ -340,12 +339,20 @@ def stubbed_launches():
     """The single op's Triton launches replaced by no-ops (its outputs are left unwritten): what remains of
     a call's host time is our Python and the torch ops around the kernels (each launcher still builds its
     key, then finds no compiled kernel), not Triton's launcher."""
+    from lit_thresh.ops.fast_launch import FastLaunch
+
     return _swapped_launches(lambda kernel: FastLaunch(_NoLaunch()))
 
 
 def triton_path_launches():
     """The single op's launches through Triton's own argument binding at every call (no FastLaunch)."""
-    return _swapped_launches(_TritonPath)
+    from lit_thresh.ops.fast_launch import FastLaunch
+
+    class TritonPath(FastLaunch):
+        def __call__(self, grid, tensors, scalars, constexprs, **flags) -> None:
+            self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
+
+    return _swapped_launches(TritonPath)
 
 
 def _host_us(fn: Callable[[], object], calls: int) -> float:
@@ -362,12 +369,13 @@ def _host_us(fn: Callable[[], object], calls: int) -> float:
     return host / calls * 1e6
 
 
-def host_overhead(calls: int = 2000) -> list[HostResult]:
-    """Host time per call on tiny (1, 2, 128, 64) bf16 inputs (kernel time is far below it). The single
-    op's cases run again through Triton's own launch path at every call (no FastLaunch: what
-    lit_thresh/ops/fast_launch.py saves), and with its Triton launches stubbed out ('no launch'): our
-    Python and torch ops; the difference is the launcher. A float beta costs a torch.full per call; a model passes its (H,)
-    beta tensor."""
+def host_overhead(calls: int = 400, repeats: int = 7) -> list[HostResult]:
+    """Host time per call on tiny (1, 2, 128, 64) bf16 inputs (kernel time is far below it): per case, the
+    median and range of `repeats` loops of `calls` calls, the cases interleaved in each round so that a
+    drift of the host's speed reaches them all. The single op's cases run again through Triton's own
+    launch path at every call (no FastLaunch: what lit_thresh/ops/fast_launch.py saves), and with its
+    Triton launches stubbed out ('no launch'): our Python and torch ops; the difference is the launcher. A
+    float beta costs a torch.full per call; a model passes its (H,) beta tensor."""
     from lit_thresh.ops import threshold_attention
 
     q, k, v = (_randn(1, 2, 128, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
@@ -384,12 +392,15 @@ def host_overhead(calls: int = 2000) -> list[HostResult]:
         "sdpa forward (no grad)": lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True),
         "sdpa forward + backward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout),
     }
-    out = [HostResult(name, _host_us(fn, calls)) for name, fn in {**ours, **sdpa}.items()]
-    with triton_path_launches():
-        out += [HostResult(f"{name} [Triton's launch path]", _host_us(fn, calls)) for name, fn in ours.items()]
-    with stubbed_launches():
-        out += [HostResult(f"{name} [no launch]", _host_us(fn, calls)) for name, fn in ours.items()]
-    return out
+    cases = [(name, fn, contextlib.nullcontext) for name, fn in {**ours, **sdpa}.items()]
+    cases += [(f"{name} [Triton's launch path]", fn, triton_path_launches) for name, fn in ours.items()]
+    cases += [(f"{name} [no launch]", fn, stubbed_launches) for name, fn in ours.items()]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    for _ in range(repeats):
+        for name, fn, launches in cases:
+            with launches():
+                times[name].append(_host_us(fn, calls))
+    return [HostResult(name, statistics.median(t), min(t), max(t)) for name, t in times.items()]
 
 
 def _warm_point(task: tuple) -> str:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lit_thresh import bench
-from lit_thresh.bench import HostResult, Result, causal_fwd_flops, derived, format_table, parse_args, write_csv
+from lit_thresh.bench import (HostResult, Result, causal_fwd_flops, derived, format_host, format_table, parse_args,
+                              write_csv)
 
 
 def _results() -> list[Result]:
@@ -81,12 +82,19 @@ def test_table_has_one_line_per_result_and_dashes_for_missing():
 
 def test_csv_round_trip(tmp_path):
     path = tmp_path / "bench.csv"
-    write_csv(str(path), _results(), [HostResult("threshold p=2 forward (no grad)", 14.5)])
+    write_csv(str(path), _results(), [HostResult("threshold p=2 forward (no grad)", 14.5, 13.25, 17.75)])
     rows = list(csv.DictReader(path.open()))
     assert len(rows) == len(_results()) + 1
     ours = next(r for r in rows if r["variant"] == "threshold p=2")
     assert float(ours["fwd_bwd_x_cudnn"]) == pytest.approx(0.5) and float(ours["fwd_bwd_mib"]) == 128.0
     assert rows[-1]["variant"] == "threshold p=2 forward (no grad)" and float(rows[-1]["host_us"]) == 14.5
+    assert (float(rows[-1]["host_us_min"]), float(rows[-1]["host_us_max"])) == (13.25, 17.75)
+
+
+def test_host_rows_print_the_median_and_range():
+    text = format_host([HostResult("threshold p=2 forward (no grad)", 14.5, 13.25, 17.75)])
+    assert "median [min - max]" in text.splitlines()[0]
+    assert text.splitlines()[1].endswith(" 14.5 [13.2 - 17.8]")
 
 
 def test_stubbed_launches_skip_the_kernels_and_restore_them():

@@ -354,6 +354,21 @@ def test_plot_against_a_grid_axis_has_a_panel_per_label_and_a_line_per_variant(t
     assert figure.axes[0].get_ylim() == figure.axes[2].get_ylim()  # one y range: the panels compare at a glance
 
 
+def test_plot_lines_break_at_cells_without_a_run(tmp_path):
+    """softmax has no run at d_model 128, threshold none at 64: softmax's line breaks there (no segment joins
+    64 and 256), threshold's starts at 128."""
+    rng = torch.Generator().manual_seed(6)
+    cells = [("softmax", "64"), ("softmax", "256"), ("threshold", "128"), ("threshold", "256")]
+    results = {Run(i, variant, (("d_model", width),), 0): fake_result(rng, ["best/val/acc"])
+               for i, (variant, width) in enumerate(cells)}
+    rows = report.make_rows(results, ["softmax", "threshold"])
+    axes = plan.PlotAxes(x="model.config.d_model")
+    figure = report.plot(tmp_path / "p.png", rows, "best/val/acc", axes, {"model.config.d_model": "d_model"})
+    softmax, threshold = (bars.lines[0] for bars in figure.axes[0].containers)
+    assert list(softmax.get_xdata()) == [64, 128, 256] and math.isnan(softmax.get_ydata()[1])
+    assert list(threshold.get_xdata()) == [128, 256] and not any(map(math.isnan, threshold.get_ydata()))
+
+
 def test_plot_lines_stay_apart_past_ten_rows(tmp_path):
     """12 rows with length test sets: the length panel's 12 lines differ in colour or dash (matplotlib's
     colour cycle alone repeats after 10)."""

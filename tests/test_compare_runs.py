@@ -358,7 +358,8 @@ def test_a_run_out_of_gpu_memory_while_sharing_its_gpu_runs_again_alone(tmp_path
     order = [call[1] for call in calls]
     assert sorted(order) == sorted(["softmax/seed0", "softmax/seed1", "threshold/seed1"] + ["threshold/seed0"] * 2)
     assert order[-1] == "threshold/seed0" and calls[order.index("threshold/seed0")][2] == "0"
-    assert "[threshold/seed0] out of GPU memory with other runs on its GPU: it runs again alone" in capsys.readouterr().out
+    assert ("[threshold/seed0] out of GPU memory with other runs on its GPU: it runs again once they are done, with "
+            "fewer runs per GPU") in capsys.readouterr().out
     assert (tmp_path / "out" / "threshold" / "seed0" / "results.json").is_file()
 
     # alone on its GPU: a failure, named as any other
@@ -366,6 +367,46 @@ def test_a_run_out_of_gpu_memory_while_sharing_its_gpu_runs_again_alone(tmp_path
     oom_left["threshold/seed0"] = 1
     with pytest.raises(SystemExit, match=r"threshold/seed0: `lit_thresh fit` exited with code 1"):
         compare.main([*config, "--runs_per_device", "1"])
+
+
+def test_runs_out_of_memory_run_again_together_with_half_as_many_per_gpu(tmp_path, monkeypatch):
+    """4 runs, 4 at a time on one GPU: two run out of memory on their first fit. They run again after the
+    others, 2 at a time (not one by one); a third attempt would have had one slot."""
+    calls: list = []
+    fit = fake_fit({"val/acc": 0.5}, calls)
+    oom_left = {"threshold/seed0": 1, "softmax/seed1": 1}
+
+    def launch(subcommand, args, log, run, env, prefix):
+        if oom_left.get(run, 0) > 0:
+            oom_left[run] -= 1
+            with log.open("a") as out:
+                out.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+            raise runner.RunFailed(f"run {run}: `lit_thresh {subcommand}` exited with code 1; see {log}")
+        fit(subcommand, args, log, run, env, prefix)
+
+    slot_counts: list[int] = []
+    run_all = runner.run_all
+
+    def counted(cfg, runs, check, slots):
+        slot_counts.append(len(slots))
+        return run_all(cfg, runs, check, slots)
+
+    monkeypatch.setattr(runner, "launch", launch)
+    monkeypatch.setattr(runner, "run_all", counted)
+    monkeypatch.setattr(runner, "visible_gpus", lambda: ["0"])
+    compare.main(["--config", str(write_comparison(tmp_path)), "--root", str(tmp_path / "out"), "--runs_per_device", "4"])
+    assert slot_counts == [2]  # the retry's run_all (compare.main calls the first by its own name), 2 slots of 4
+    fits = [call[1] for call in calls if call[0] == "fit"]  # the attempts out of memory did not get to fit
+    assert sorted(fits[-2:]) == ["softmax/seed1", "threshold/seed0"] and len(fits) == 4  # the retries, last
+    assert len(list((tmp_path / "out").glob("*/seed*/results.json"))) == 4
+
+
+def test_fewer_slots_halves_each_device_group_down_to_one():
+    gpu = lambda i: {"CUDA_VISIBLE_DEVICES": str(i)}  # noqa: E731
+    assert runner._fewer([gpu(0)] * 4 + [gpu(1)] * 4) == [gpu(0)] * 2 + [gpu(1)] * 2
+    assert runner._fewer([gpu(0)] * 3 + [gpu(1)] * 3) == [gpu(0), gpu(1)]
+    assert runner._fewer([gpu(0), gpu(1)]) == [gpu(0), gpu(1)]
+    assert runner._fewer([{}] * 5) == [{}] * 2  # CPU runs: no retry, but the rule is the same
 
 
 def test_out_of_memory_counts_only_in_what_the_logs_got_since(tmp_path):

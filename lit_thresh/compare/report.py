@@ -280,7 +280,8 @@ def _has_finite_data(ax: Axes) -> bool:
 def _lines_against(ax: Axes, by_line: dict[str, dict[str, Summary]], styles: dict[str, dict[str, str]],
                    xlabel: str) -> None:
     """A line per entry of by_line (x label -> Summary), styled by styles[line]: on a log2 axis where every
-    label is a positive number, else at evenly spaced categories."""
+    label is a positive number, else at evenly spaced categories. A line breaks at an x label it has no
+    value for (a cell without a finished run), rather than joining its neighbours."""
     labels = list(dict.fromkeys(label for points in by_line.values() for label in points))
     numbers = [_number(label) for label in labels]
     numeric = all(n is not None and n > 0 for n in numbers)
@@ -288,8 +289,11 @@ def _lines_against(ax: Axes, by_line: dict[str, dict[str, Summary]], styles: dic
         labels = [label for _, label in sorted(zip(numbers, labels))]
     position = {label: (_number(label) if numeric else i) for i, label in enumerate(labels)}
     for line, points in by_line.items():
-        xs = [label for label in labels if label in points]
-        ax.errorbar([position[x] for x in xs], [points[x].mean for x in xs], yerr=[points[x].std or 0.0 for x in xs],
+        first, last = (labels.index(x) for x in (next(x for x in labels if x in points),
+                                                 next(x for x in reversed(labels) if x in points)))
+        xs = labels[first : last + 1]  # NaN at a gap: matplotlib breaks the line there
+        ys = [points[x].mean if x in points else math.nan for x in xs]
+        ax.errorbar([position[x] for x in xs], ys, yerr=[(points[x].std or 0.0) if x in points else 0.0 for x in xs],
                     marker="o", capsize=3, label=line, **styles.get(line, {}))
     if numeric:
         ax.set_xscale("log", base=2)

@@ -5,8 +5,9 @@ A run is finished once its ``results.json`` exists; finished runs made with the 
 now are skipped. An unfinished run started with it resumes from its ``last.ckpt``; any other folder of a
 run to run is kept as ``<folder>.old-N`` and the run starts over (lit_thresh.compare.state, which also
 holds the locks that keep a second compare off a live run). A failing run stops the comparison (no new
-run starts, the running ones finish) unless ``--keep_going``; one that ran out of memory on a GPU it shared
-runs again alone after the others. Ctrl-C terminates every run (Interrupted).
+run starts, the running ones finish) unless ``--keep_going``; runs that ran out of memory on a GPU they shared
+run again after the others, with half as many runs per GPU (down to one). Ctrl-C terminates every run
+(Interrupted).
 """
 
 from __future__ import annotations
@@ -280,6 +281,23 @@ def device_slots(runs_per_device: int, devices_per_run: int) -> list[dict[str, s
     return [{"CUDA_VISIBLE_DEVICES": ",".join(group)} for group in groups for _ in range(runs_per_device)]
 
 
+def _fewer(slots: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """The slots with half as many per device group, at least one: where runs that ran out of memory sharing
+    their GPU run again."""
+    keep: dict[tuple, int] = {}
+    for slot in slots:
+        key = tuple(sorted(slot.items()))
+        keep[key] = keep.get(key, 0) + 1
+    keep = {key: max(1, count // 2) for key, count in keep.items()}
+    fewer = []
+    for slot in slots:  # in the slots' order
+        key = tuple(sorted(slot.items()))
+        if keep[key]:
+            fewer.append(slot)
+            keep[key] -= 1
+    return fewer
+
+
 def _log_sizes(run_dir: Path) -> dict[str, int]:
     """The sizes of a run's logs now (they are appended to by each attempt)."""
     return {name: (run_dir / name).stat().st_size if (run_dir / name).is_file() else 0 for name in LOGS}
@@ -304,11 +322,12 @@ def run_all(
     check(run, results) after each. The first failure (RunFailed, or an error check raises) starts no
     new run, lets the running ones finish and is raised; with ``cfg.keep_going`` a failing run is only
     recorded. A run that ran out of GPU memory while sharing its GPU is no failure: once the others are
-    done it runs again (resuming from its last.ckpt, if any) alone on a GPU. Ctrl-C terminates the runs
-    and raises Interrupted. Returns the finished runs' results and the failed runs' errors, in run order."""
+    done, such runs run again (resuming from their last.ckpt, if any) with half as many per GPU (_fewer),
+    down to one; alone on a GPU, running out of memory is a failure. Ctrl-C terminates the runs and raises
+    Interrupted. Returns the finished runs' results and the failed runs' errors, in run order."""
     results: dict[Run, dict] = {}
     failures: dict[Run, str] = {}
-    alone = list({tuple(sorted(slot.items())): slot for slot in slots}.values())  # one slot per device group
+    groups = {tuple(sorted(slot.items())) for slot in slots}  # the device groups; fewer than slots: runs share
     retry: set[Run] = set()
     todo = []
     for run in runs:
@@ -339,11 +358,11 @@ def run_all(
             try:
                 results[run] = train(cfg, run, os.environ | slot, prefix=len(slots) > 1)
             except RunFailed as error:
-                shared = "CUDA_VISIBLE_DEVICES" in slot and len(alone) < len(slots)
+                shared = "CUDA_VISIBLE_DEVICES" in slot and len(groups) < len(slots)
                 if shared and _ran_out_of_memory(run_dir, sizes):
                     retry.add(run)
-                    PROCESSES.show(f"[{run.name}] out of GPU memory with other runs on its GPU: it runs again "
-                                   "alone once they are done\n")
+                    PROCESSES.show(f"[{run.name}] out of GPU memory with other runs on its GPU: it runs again once "
+                                   "they are done, with fewer runs per GPU\n")
                     return
                 if not cfg.keep_going:
                     raise
@@ -375,7 +394,7 @@ def run_all(
         if future.exception() is not None:
             raise future.exception()
     if retry:
-        again, failed_again = run_all(cfg, [run for run in runs if run in retry], check, alone)
+        again, failed_again = run_all(cfg, [run for run in runs if run in retry], check, _fewer(slots))
         results |= again
         failures |= failed_again
     done = {run: results[run] for run in runs if run in results}  # in run order, not as they finished

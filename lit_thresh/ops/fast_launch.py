@@ -4,9 +4,12 @@
 checks the kernel's globals and only then launches. On the H200's host that took about 12 us of the
 forward's ~40 us launch (lit_thresh/ops/PERF.md, v8; one loop per row, so within noise). `FastLaunch` takes that path once
 per distinct set of what Triton specialises on, keeps the `CompiledKernel` it returns, and launches that
-directly afterwards. The key holds every int and float argument by value and every tensor's dtype and
-16-byte alignment (what Triton specialises pointers on), so a hit is a call Triton would have compiled
-to the same kernel.
+directly afterwards. The key holds every int and float argument by value (with its type) and every
+tensor's dtype and 16-byte alignment (what Triton specialises pointers on), so a hit is a call Triton
+would have compiled to the same kernel. Lengths that change at every call (decoding) take Triton's path
+each time, as without FastLaunch, plus the key. Triton's global switches (`triton.knobs`, e.g. debug or
+instrumentation) and a kernel's changed globals are seen at a key's first launch only; a kernel with
+pre-run hooks always takes Triton's path.
 
 This file is the only place that relies on Triton internals: `JITFunction.run` returning the
 `CompiledKernel`, and `CompiledKernel[grid](*every_argument)` launching it (constexprs included, in the
@@ -56,7 +59,7 @@ class FastLaunch:
         key = (id(constexprs), tuple(flags.items()), torch.cuda.current_device(), tuple(map(type, scalars)), scalars,
                *[_tensor_key(t) for t in tensors])  # a scalar's type too: 1 and 1.0 are equal keys, not Triton types
         entry = self.entries.get(key)
-        if entry is None:
+        if entry is None or getattr(self.kernel, "pre_run_hooks", None):  # the hooks run in Triton's path
             compiled = self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
             if compiled is not None:
                 if len(self.entries) >= MAX_ENTRIES:

@@ -196,16 +196,20 @@ def _margin(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.where(margin.isfinite(), margin, torch.nan).reshape(1)
 
 
+def _map_shape(q: torch.Tensor, k: torch.Tensor, grain: tuple[int, int]) -> tuple[int, int, int]:
+    """The skip_zero map's shape at grain (block_m, block_n): (B * Hq, cdiv(Tq, block_m), cdiv(Tk, block_n))."""
+    return q.shape[0] * q.shape[1], -(-q.shape[2] // grain[0]), -(-k.shape[2] // grain[1])
+
+
 def _new_map(q: torch.Tensor, k: torch.Tensor, grain: tuple[int, int]) -> torch.Tensor:
-    """A zeroed skip_zero map at grain (block_m, block_n): (B * Hq, cdiv(Tq, block_m), cdiv(Tk, block_n)) int8."""
-    b, hq, tq, tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    return torch.zeros(b * hq, -(-tq // grain[0]), -(-tk // grain[1]), device=q.device, dtype=torch.int8)
+    """A zeroed int8 skip_zero map at grain (block_m, block_n)."""
+    return torch.zeros(_map_shape(q, k, grain), device=q.device, dtype=torch.int8)
 
 
 def map_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
     """The shape of the map triton_forward writes with skip_zero and the default tiles."""
     cfg = skip_zero_configs(int(max(q.shape[3], v.shape[3])), q.dtype).fwd  # int: a symbolic head dim is guarded
-    return q.shape[0] * q.shape[1], -(-q.shape[2] // cfg.block_m), -(-k.shape[2] // cfg.block_n)
+    return _map_shape(q, k, (cfg.block_m, cfg.block_n))
 
 
 def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: float, grain: tuple[int, int],
@@ -335,9 +339,8 @@ def triton_backward(
     skipping = [cfg for cfg in (dkv_cfg, dq_cfg) if cfg.skip_zero]
     if skipping and live is not None:  # the forward's map
         grain = (fwd_cfg.block_m, fwd_cfg.block_n)
-        if live.shape != (b * hq, -(-tq // grain[0]), -(-tk // grain[1])) or live.dtype != torch.int8:
-            raise ValueError(f"live must be the forward's int8 map of shape {(b * hq, -(-tq // grain[0]), -(-tk // grain[1]))},"
-                             f" got {live.dtype} {tuple(live.shape)}")
+        if live.shape != (want := _map_shape(q, k, grain)) or live.dtype != torch.int8:
+            raise ValueError(f"live must be the forward's int8 map of shape {want}, got {live.dtype} {tuple(live.shape)}")
     elif skipping:  # one map at the finest tiles of the two kernels
         grain = (min(cfg.block_m for cfg in skipping), min(cfg.block_n for cfg in skipping))
         live = live_tiles(q, k, beta, scale, grain, dq_kw)

@@ -110,6 +110,15 @@ def test_the_entries_are_bounded(compiled_mode, monkeypatch):
     assert len(launch.entries) <= 3 and len(kernel.calls) == 10
 
 
+def test_a_kernel_with_pre_run_hooks_always_takes_tritons_path(compiled_mode):
+    kernel, x = _Kernel(), torch.arange(8.0)
+    kernel.pre_run_hooks = [lambda *args, **kwargs: None]
+    launch, meta = FastLaunch(kernel), {"BLOCK": 32}
+    for _ in range(3):
+        launch((1,), (x,), (7, 0.5), meta)
+    assert len(kernel.calls) == 3 and not any(c.launches for c in kernel.compiled)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_launches_after_the_first_match_the_reference_when_alignment_changes(dtype):
