@@ -33,7 +33,7 @@ def _no_map(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(0, dtype=torch.int8)
 
 
-def _forward(
+def _eager_forward(
     q: torch.Tensor,  # (B, Hq, Tq, D)
     k: torch.Tensor,  # (B, Hkv, Tk, D)
     v: torch.Tensor,  # (B, Hkv, Tk, Dv)
@@ -42,19 +42,25 @@ def _forward(
     scale: float,
     backend: str,
     skip_zero: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward on checked inputs (see api.threshold_attention): (out (B, Hq, Tq, Dv), map). backend:
     'triton' or 'torch'; skip_zero: the Triton forward also writes the tile map its backward skips by
-    (triton_launch.triton_forward); map is empty where none is written (the torch backend has nothing to
+    (triton_launch.triton_forward); map is None where none is written (the torch backend has nothing to
     skip)."""
     if q.numel() == 0:
-        return _output_like(q, v.shape[-1], backend).zero_(), _no_map(q)
+        return _output_like(q, v.shape[-1], backend).zero_(), None
     if backend == "triton":
         from lit_thresh.ops.triton_launch import triton_forward
 
-        out, live = triton_forward(q, k, v, beta, power, scale, skip_zero=skip_zero)
-        return out, _no_map(q) if live is None else live
-    return chunked_forward(q, k, v, beta, power, scale), _no_map(q)  # (B, Hq, Tq, Dv)
+        return triton_forward(q, k, v, beta, power, scale, skip_zero=skip_zero)
+    return chunked_forward(q, k, v, beta, power, scale), None  # (B, Hq, Tq, Dv)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float, scale: float,
+             backend: str, skip_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """_eager_forward as the custom op returns it: the map an empty int8 tensor where none is written."""
+    out, live = _eager_forward(q, k, v, beta, power, scale, backend, skip_zero)
+    return out, _no_map(q) if live is None else live
 
 
 def _backward(
@@ -129,7 +135,7 @@ class _EagerThresholdAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs) -> torch.Tensor:  # not setup_context: Function.apply would inspect.signature
-        out, live = _forward(*inputs)
+        out, live = _eager_forward(*inputs)  # live saved only with skip_zero, which writes one
         _setup_context(ctx, inputs, (out, live))
         return out
 
@@ -154,7 +160,7 @@ def threshold_attention_apply(
     no input requiring one, no forward-mode tangent) the forward alone."""
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
         if records_nothing(q, k, v, beta):  # no autograd node, no backward to write a map for
-            return _forward(q, k, v, beta, power, scale, backend)[0]
+            return _eager_forward(q, k, v, beta, power, scale, backend)[0]
         return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend, skip_zero)
     # a map only where a backward can follow
     skip_zero = skip_zero and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta))
