@@ -329,6 +329,23 @@ def test_a_killed_fit_resumes_from_its_last_checkpoint_and_the_best_of_two_is_te
     assert "test/acc" in result["metrics"] and "best/diag/sink_mass" in result["metrics"]
 
 
+def out_of_memory_first(fit, oom_left: dict[str, int], error: str, calls: list | None = None):
+    """A stand-in for runner.launch: each run named in oom_left fails that many times first, its log saying
+    `error` (recorded in `calls` as (subcommand, run, CUDA_VISIBLE_DEVICES) when given), then `fit` runs."""
+
+    def launch(subcommand, args, log, run, env, prefix):
+        if oom_left.get(run, 0) > 0:
+            oom_left[run] -= 1
+            if calls is not None:
+                calls.append((subcommand, run, env["CUDA_VISIBLE_DEVICES"]))
+            with log.open("a") as out:
+                out.write(error + "\n")
+            raise runner.RunFailed(f"run {run}: `lit_thresh {subcommand}` exited with code 1; see {log}")
+        fit(subcommand, args, log, run, env, prefix)
+
+    return launch
+
+
 @pytest.mark.parametrize("error", [
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
     "torch.AcceleratorError: CUDA error: out of memory",  # CUDA's own, e.g. at a context's creation
@@ -342,16 +359,7 @@ def test_a_run_out_of_gpu_memory_while_sharing_its_gpu_runs_again_alone(tmp_path
     fit = fake_fit({"val/acc": 0.5}, calls)
     oom_left = {"threshold/seed0": 1}
 
-    def launch(subcommand, args, log, run, env, prefix):
-        if oom_left.get(run, 0) > 0:
-            oom_left[run] -= 1
-            calls.append((subcommand, run, env["CUDA_VISIBLE_DEVICES"]))
-            with log.open("a") as out:
-                out.write(error + "\n")
-            raise runner.RunFailed(f"run {run}: `lit_thresh {subcommand}` exited with code 1; see {log}")
-        fit(subcommand, args, log, run, env, prefix)
-
-    monkeypatch.setattr(runner, "launch", launch)
+    monkeypatch.setattr(runner, "launch", out_of_memory_first(fit, oom_left, error, calls))
     monkeypatch.setattr(runner, "visible_gpus", lambda: ["0"])
     config = ["--config", str(write_comparison(tmp_path)), "--root", str(tmp_path / "out")]
     compare.main([*config, "--runs_per_device", "2"])
@@ -376,14 +384,6 @@ def test_runs_out_of_memory_run_again_together_with_half_as_many_per_gpu(tmp_pat
     fit = fake_fit({"val/acc": 0.5}, calls)
     oom_left = {"threshold/seed0": 1, "softmax/seed1": 1}
 
-    def launch(subcommand, args, log, run, env, prefix):
-        if oom_left.get(run, 0) > 0:
-            oom_left[run] -= 1
-            with log.open("a") as out:
-                out.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
-            raise runner.RunFailed(f"run {run}: `lit_thresh {subcommand}` exited with code 1; see {log}")
-        fit(subcommand, args, log, run, env, prefix)
-
     slot_counts: list[int] = []
     run_all = runner.run_all
 
@@ -391,7 +391,8 @@ def test_runs_out_of_memory_run_again_together_with_half_as_many_per_gpu(tmp_pat
         slot_counts.append(len(slots))
         return run_all(cfg, runs, check, slots)
 
-    monkeypatch.setattr(runner, "launch", launch)
+    error = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    monkeypatch.setattr(runner, "launch", out_of_memory_first(fit, oom_left, error))
     monkeypatch.setattr(runner, "run_all", counted)
     monkeypatch.setattr(runner, "visible_gpus", lambda: ["0"])
     compare.main(["--config", str(write_comparison(tmp_path)), "--root", str(tmp_path / "out"), "--runs_per_device", "4"])

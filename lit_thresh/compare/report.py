@@ -289,9 +289,8 @@ def _lines_against(ax: Axes, by_line: dict[str, dict[str, Summary]], styles: dic
         labels = [label for _, label in sorted(zip(numbers, labels))]
     position = {label: (_number(label) if numeric else i) for i, label in enumerate(labels)}
     for line, points in by_line.items():
-        first, last = (labels.index(x) for x in (next(x for x in labels if x in points),
-                                                 next(x for x in reversed(labels) if x in points)))
-        xs = labels[first : last + 1]  # NaN at a gap: matplotlib breaks the line there
+        present = [i for i, label in enumerate(labels) if label in points]
+        xs = labels[present[0] : present[-1] + 1]  # NaN at a gap: matplotlib breaks the line there
         ys = [points[x].mean if x in points else math.nan for x in xs]
         ax.errorbar([position[x] for x in xs], ys, yerr=[(points[x].std or 0.0) if x in points else 0.0 for x in xs],
                     marker="o", capsize=3, label=line, **styles.get(line, {}))

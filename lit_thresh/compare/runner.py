@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -284,11 +285,8 @@ def device_slots(runs_per_device: int, devices_per_run: int) -> list[dict[str, s
 def _fewer(slots: Sequence[dict[str, str]]) -> list[dict[str, str]]:
     """The slots with half as many per device group, at least one: where runs that ran out of memory sharing
     their GPU run again."""
-    keep: dict[tuple, int] = {}
-    for slot in slots:
-        key = tuple(sorted(slot.items()))
-        keep[key] = keep.get(key, 0) + 1
-    keep = {key: max(1, count // 2) for key, count in keep.items()}
+    counts = Counter(tuple(sorted(slot.items())) for slot in slots)
+    keep = {key: max(1, count // 2) for key, count in counts.items()}
     fewer = []
     for slot in slots:  # in the slots' order
         key = tuple(sorted(slot.items()))

@@ -184,15 +184,17 @@ def _launch_meta(cfg: BlockConfig) -> dict:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _margin(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def _margin(q: torch.Tensor, k: torch.Tensor, scale: float, k_norms: torch.Tensor | None = None) -> torch.Tensor:
     """The skip_zero map's margin, (1,) float32 on the device (no host sync): 1e-2 |scale| max|q| max|k|
     over the whole call, above the difference between two kernels' products of the same rows and keys
     (summation order; tf32's operand rounding, up to ~2e-3 relative, included). NaN where q or k holds an
     inf or NaN (or the bound overflows), which keeps every tile: with an inf in q, a tile whose scores are
-    all -inf has weights 0 but gradients 0 * inf = NaN."""
+    all -inf has weights 0 but gradients 0 * inf = NaN. k_norms: k's fp32 row norms (_row_norms) where
+    the caller has them already (the fp16 forward), not computed again."""
     wide = torch.promote_types(q.dtype, torch.float32)
-    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=wide).amax().float() for x in (q, k)]
-    margin = norms[0] * norms[1] * (1e-2 * abs(scale))
+    k_norms = torch.linalg.vector_norm(k, dim=-1, dtype=wide) if k_norms is None else k_norms
+    q_max = torch.linalg.vector_norm(q, dim=-1, dtype=wide).amax().float()
+    margin = q_max * k_norms.amax().float() * (1e-2 * abs(scale))
     return torch.where(margin.isfinite(), margin, torch.nan).reshape(1)
 
 
@@ -295,7 +297,8 @@ def triton_forward(
     k_norms = _row_norms(k).contiguous() if kw["ROW_SCALE"] else beta  # (B, Hkv, Tk); beta: unused
     margin = live = None
     if cfg.skip_zero:
-        margin, live = _margin(q, k, scale), _new_map(q, k, (cfg.block_m, cfg.block_n))
+        margin = _margin(q, k, scale, k_norms if kw["ROW_SCALE"] else None)
+        live = _new_map(q, k, (cfg.block_m, cfg.block_n))
     _FWD(
         grid, (*srcs, out, beta, k_norms, beta if margin is None else margin, beta if live is None else live),
         (*q.stride(), *k.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power, 2.0 / d),
