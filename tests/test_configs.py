@@ -108,10 +108,17 @@ def test_piece_parses(path, capsys):
 
 
 def covering_runs(cfg) -> list[plan.Run]:
-    """Few runs of a comparison that together hold every variant and every grid value."""
+    """Few runs of a comparison that together hold every variant and every kind of grid value: grid values
+    that set the same options to values of the same types parse alike (the parser checks types; values are
+    checked when a run builds its model), so one of them stands for all (the threshold sweeps' settings)."""
+    overrides = plan.grid_overrides(cfg)
+
+    def kind(value: tuple[str, str]) -> tuple:
+        return value[0], frozenset((key, type(v).__name__) for key, v in overrides[value].items())
+
     runs, seen = [], set()
     for run in plan.expand(cfg):
-        new = {run.variant, *run.cell} - seen
+        new = {run.variant, *map(kind, run.cell)} - seen
         if new:
             runs.append(run)
             seen |= new

@@ -52,8 +52,8 @@ from lit_thresh.ops.triton_launch import (
     _empty_like_layout,
     _power_mode,
     _precision,
+    row_norms,
 )
-from lit_thresh.ops.triton_launch import _row_norms as _row_norms_fp32  # the torch pre-pass (the jit one is above)
 
 
 @triton.jit
@@ -582,11 +582,6 @@ def _meta(cfg: BlockConfig, d: int, dv: int, power: float, dtype: torch.dtype, p
     ))
 
 
-def _stacked_norms(*tensors: torch.Tensor) -> torch.Tensor:
-    """The fp32 row norms of (B, H, T, D') tensors of one (B, H, T), stacked: (B, H, len(tensors), T) contiguous."""
-    return torch.stack([_row_norms_fp32(t) for t in tensors], dim=2)
-
-
 def diff_triton_forward(
     q1: torch.Tensor,  # (B, Hq, Tq, D)
     q2: torch.Tensor,  # (B, Hq, Tq, D)
@@ -608,7 +603,7 @@ def diff_triton_forward(
     k1, k2 = match_strides(k1, k2)
     cfg = (configs or default_diff_configs(max(d, dv), q1.dtype)).fwd
     meta = _kernel_meta(cfg, q1, d, dv, power, True)
-    k_norms = _stacked_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
+    k_norms = row_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
     _FWD(
         (-(-tq // cfg.block_m), b * hq),  # ceil-division in plain ints: no triton.cdiv
         (q1, q2, k1, k2, v, out, beta, lam, k_norms),
@@ -646,8 +641,8 @@ def diff_triton_backward(
     cfg = cfgs.bwd_dkv
     meta = _kernel_meta(cfg, q1, d, dv, power, False)
     if meta["ROW_SCALE"]:  # the norms the fp16 row scales are bounded by; else unused (beta is passed)
-        qdo_norms = _stacked_norms(q1, q2, dout)  # (B, Hq, 3, Tq)
-        kv_norms = _stacked_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
+        qdo_norms = row_norms(q1, q2, dout)  # (B, Hq, 3, Tq)
+        kv_norms = row_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
     else:
         qdo_norms = kv_norms = beta
     _BWD_DKV(

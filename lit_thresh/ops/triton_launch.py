@@ -12,6 +12,7 @@ import triton
 from lit_thresh.ops.backend import triton_interpreting
 from lit_thresh.ops.fast_launch import FastLaunch
 from lit_thresh.ops.triton_kernels import (
+    row_norms_kernel,
     threshold_bwd_dkv_kernel,
     threshold_bwd_dq_kernel,
     threshold_fwd_kernel,
@@ -19,6 +20,7 @@ from lit_thresh.ops.triton_kernels import (
 )
 
 _FWD, _BWD_DKV, _BWD_DQ = map(FastLaunch, (threshold_fwd_kernel, threshold_bwd_dkv_kernel, threshold_bwd_dq_kernel))
+_NORMS = FastLaunch(row_norms_kernel)
 
 
 @dataclass(frozen=True)
@@ -153,9 +155,24 @@ def _problem_plan(q: torch.Tensor, v: torch.Tensor, power: float, configs: Kerne
     return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), configs)
 
 
-def _row_norms(t: torch.Tensor) -> torch.Tensor:
-    """Euclidean norms of the rows of a (B, H, T, D) tensor, in fp32. (B, H, T)"""
-    return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float32)
+@functools.lru_cache(maxsize=64)
+def _norms_meta(d: int) -> dict:
+    """row_norms_kernel's constexprs for rows of d elements (~8k elements a program)."""
+    block_d = _block_dim(d)
+    return dict(D=d, BLOCK_D=block_d, BLOCK_T=max(16, 8192 // block_d))
+
+
+def row_norms(*tensors: torch.Tensor) -> torch.Tensor:
+    """The Euclidean norms of the rows of (B, H, T, D') tensors that share (B, H, T), in fp32, stacked:
+    (B, H, len(tensors), T), contiguous. One row_norms_kernel launch each, instead of torch's
+    vector_norm (PERF.md v9)."""
+    b, h, t = tensors[0].shape[:3]
+    out = torch.empty(b, h, len(tensors), t, device=tensors[0].device, dtype=torch.float32)
+    for i, x in enumerate(tensors):
+        meta, dst = _norms_meta(x.shape[3]), out[:, :, i]
+        if dst.numel():
+            _NORMS((-(-t // meta["BLOCK_T"]), b * h), (x, dst), (h, t, *x.stride(), *dst.stride()), meta)
+    return out
 
 
 def _tma_ready(*tensors: torch.Tensor, cols: int = 0) -> bool:
@@ -189,12 +206,10 @@ def _margin(q: torch.Tensor, k: torch.Tensor, scale: float, k_norms: torch.Tenso
     over the whole call, above the difference between two kernels' products of the same rows and keys
     (summation order; tf32's operand rounding, up to ~2e-3 relative, included). NaN where q or k holds an
     inf or NaN (or the bound overflows), which keeps every tile: with an inf in q, a tile whose scores are
-    all -inf has weights 0 but gradients 0 * inf = NaN. k_norms: k's fp32 row norms (_row_norms) where
+    all -inf has weights 0 but gradients 0 * inf = NaN. k_norms: k's fp32 row norms (row_norms) where
     the caller has them already (the fp16 forward), not computed again."""
-    wide = torch.promote_types(q.dtype, torch.float32)
-    k_norms = torch.linalg.vector_norm(k, dim=-1, dtype=wide) if k_norms is None else k_norms
-    q_max = torch.linalg.vector_norm(q, dim=-1, dtype=wide).amax().float()
-    margin = q_max * k_norms.amax().float() * (1e-2 * abs(scale))
+    k_norms = row_norms(k) if k_norms is None else k_norms
+    margin = row_norms(q).amax() * k_norms.amax() * (1e-2 * abs(scale))
     return torch.where(margin.isfinite(), margin, torch.nan).reshape(1)
 
 
@@ -294,7 +309,7 @@ def triton_forward(
     out = _empty_like_layout(q, (b, hq, tq, dv))
     bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
     srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
-    k_norms = _row_norms(k).contiguous() if kw["ROW_SCALE"] else beta  # (B, Hkv, Tk); beta: unused
+    k_norms = row_norms(k) if kw["ROW_SCALE"] else beta  # (B, Hkv, 1, Tk); beta: unused
     margin = live = None
     if cfg.skip_zero:
         margin = _margin(q, k, scale, k_norms if kw["ROW_SCALE"] else None)
@@ -331,8 +346,8 @@ def triton_backward(
     scalars = (tq, tk, scale, power, 2.0 / d)
     dq, dk, dval = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if dq_kw["ROW_SCALE"]:  # the norms the fp16 row scales are bounded by; else unused (beta is passed)
-        qdo_norms = torch.stack((_row_norms(q), _row_norms(dout)), dim=2)  # (B, Hq, 2, Tq)
-        kv_norms = torch.stack((_row_norms(k), _row_norms(v)), dim=2)  # (B, Hkv, 2, Tk)
+        qdo_norms = row_norms(q, dout)  # (B, Hq, 2, Tq)
+        kv_norms = row_norms(k, v)  # (B, Hkv, 2, Tk)
     else:
         qdo_norms = kv_norms = beta
     inputs = (q, k, v, dout)

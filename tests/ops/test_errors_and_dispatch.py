@@ -146,8 +146,8 @@ def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile every
     kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed), with skip_zero
     off and (bf16) on, the fp16 forward writing its map through row-scaled scores (p = 2), and the
-    skip_zero tile-map pre-pass. The bf16 case types the float scalars fp64, as torch.compile passes Python
-    floats to user kernels."""
+    skip_zero tile-map pre-pass, and the row norms' kernel. The bf16 case types the float scalars fp64, as
+    torch.compile passes Python floats to user kernels."""
     script = textwrap.dedent(
         """
         import itertools, triton
@@ -180,6 +180,11 @@ def test_kernels_compile_for_hopper(tmp_path):
                 else:
                     sig[arg] = "i32"
             triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        norms = tk.row_norms_kernel  # (X, OUT, ints...): the launcher's constexprs at D = 200
+        sig = {arg: "*bf16" if arg == "X" else "*fp32" if arg == "OUT" else "i32" for arg in norms.arg_names}
+        sig.update(D="constexpr", BLOCK_D="constexpr", BLOCK_T="constexpr")
+        triton.compile(ASTSource(fn=norms, signature=sig, constexprs=dict(D=200, BLOCK_D=256, BLOCK_T=32)),
+                       target=GPUTarget("cuda", 90, 32))
         print("compiled")
         """
     ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))
