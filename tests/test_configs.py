@@ -108,13 +108,15 @@ def test_piece_parses(path, capsys):
 
 
 def covering_runs(cfg) -> list[plan.Run]:
-    """Few runs of a comparison that together hold every variant and every kind of grid value: grid values
-    that set the same options to values of the same types parse alike (the parser checks types; values are
-    checked when a run builds its model), so one of them stands for all (the threshold sweeps' settings)."""
+    """Few runs of a comparison that together hold every variant and every kind of grid value. Numbers and
+    booleans parse alike whatever their value (the parser checks their type; ranges are checked when a run
+    builds its model), so grid values that differ only in them (the threshold sweeps' settings) count as one
+    kind; any other value (strings: Literal choices; lists, dicts) is a kind of its own."""
     overrides = plan.grid_overrides(cfg)
 
     def kind(value: tuple[str, str]) -> tuple:
-        return value[0], frozenset((key, type(v).__name__) for key, v in overrides[value].items())
+        return value[0], frozenset((key, type(v).__name__ if isinstance(v, (int, float)) else repr(v))
+                                   for key, v in overrides[value].items())
 
     runs, seen = [], set()
     for run in plan.expand(cfg):
@@ -127,7 +129,7 @@ def covering_runs(cfg) -> list[plan.Run]:
 
 @pytest.mark.parametrize("path", COMPARES, ids=lambda p: p.name)
 def test_compare_config_runs_parse(path, capsys):
-    """Every variant and grid value of a comparison makes a valid `lit_thresh fit` configuration."""
+    """Every variant and every kind of grid value (covering_runs) makes a valid `lit_thresh fit` configuration."""
     cfg = plan.parse(["--config", str(path)])
     assert cfg.variants and cfg.seeds
     for run in covering_runs(cfg):

@@ -52,7 +52,7 @@ from lit_thresh.ops.triton_launch import (
     _empty_like_layout,
     _power_mode,
     _precision,
-    row_norms,
+    stacked_row_norms,
 )
 
 
@@ -603,7 +603,7 @@ def diff_triton_forward(
     k1, k2 = match_strides(k1, k2)
     cfg = (configs or default_diff_configs(max(d, dv), q1.dtype)).fwd
     meta = _kernel_meta(cfg, q1, d, dv, power, True)
-    k_norms = row_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
+    k_norms = stacked_row_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
     _FWD(
         (-(-tq // cfg.block_m), b * hq),  # ceil-division in plain ints: no triton.cdiv
         (q1, q2, k1, k2, v, out, beta, lam, k_norms),
@@ -641,8 +641,8 @@ def diff_triton_backward(
     cfg = cfgs.bwd_dkv
     meta = _kernel_meta(cfg, q1, d, dv, power, False)
     if meta["ROW_SCALE"]:  # the norms the fp16 row scales are bounded by; else unused (beta is passed)
-        qdo_norms = row_norms(q1, q2, dout)  # (B, Hq, 3, Tq)
-        kv_norms = row_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
+        qdo_norms = stacked_row_norms(q1, q2, dout)  # (B, Hq, 3, Tq)
+        kv_norms = stacked_row_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
     else:
         qdo_norms = kv_norms = beta
     _BWD_DKV(

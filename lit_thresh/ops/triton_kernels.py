@@ -22,7 +22,7 @@ or from the pre-pass threshold_live_tiles_kernel), leaving out, loads included, 
 <= -margin (P exactly 0, no NaN), or over all of them when none is left out; the diagonal tiles always run. Exact
 for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without skipping). With
 USE_TMA, the input tiles come through TMA tensor descriptors (zero-filled out of bounds) instead of masked
-pointer loads.
+pointer loads. row_norms_kernel gives the launchers the fp32 row norms of q, k, v or dO these bounds use.
 """
 
 import triton
@@ -239,9 +239,8 @@ def row_norms_kernel(
     stride_ob, stride_oh, stride_ot,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """OUT[b, h, t] = |X[b, h, t, :]| in fp32, for a (B, H, T, D) X of any strides. One read of X, at the
-    memory's speed: torch.linalg.vector_norm took ~65 us for a bf16 (1, 16, 16384, 64) X on an H200
-    (PERF.md v9). Grid (cdiv(T, BLOCK_T), B * H)."""
+    """OUT[b, h, t] = |X[b, h, t, :]| in fp32, for a (B, H, T, D) X of any strides: the norms the fp16 row
+    scales and the skip_zero margin are bounded by. Grid (cdiv(T, BLOCK_T), B * H)."""
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)

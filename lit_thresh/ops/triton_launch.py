@@ -162,14 +162,14 @@ def _norms_meta(d: int) -> dict:
     return dict(D=d, BLOCK_D=block_d, BLOCK_T=max(16, 8192 // block_d))
 
 
-def row_norms(*tensors: torch.Tensor) -> torch.Tensor:
+def stacked_row_norms(*tensors: torch.Tensor) -> torch.Tensor:
     """The Euclidean norms of the rows of (B, H, T, D') tensors that share (B, H, T), in fp32, stacked:
     (B, H, len(tensors), T), contiguous. One row_norms_kernel launch each, instead of torch's
-    vector_norm (PERF.md v9)."""
+    vector_norm (PERF.md v9). Sums in fp32, also for fp64 inputs (inf past |x| ~ 1.8e19)."""
     b, h, t = tensors[0].shape[:3]
     out = torch.empty(b, h, len(tensors), t, device=tensors[0].device, dtype=torch.float32)
     for i, x in enumerate(tensors):
-        meta, dst = _norms_meta(x.shape[3]), out[:, :, i]
+        meta, dst = _norms_meta(x.shape[3]), out[:, :, i]  # dst: (B, H, T)
         if dst.numel():
             _NORMS((-(-t // meta["BLOCK_T"]), b * h), (x, dst), (h, t, *x.stride(), *dst.stride()), meta)
     return out
@@ -206,10 +206,10 @@ def _margin(q: torch.Tensor, k: torch.Tensor, scale: float, k_norms: torch.Tenso
     over the whole call, above the difference between two kernels' products of the same rows and keys
     (summation order; tf32's operand rounding, up to ~2e-3 relative, included). NaN where q or k holds an
     inf or NaN (or the bound overflows), which keeps every tile: with an inf in q, a tile whose scores are
-    all -inf has weights 0 but gradients 0 * inf = NaN. k_norms: k's fp32 row norms (row_norms) where
+    all -inf has weights 0 but gradients 0 * inf = NaN. k_norms: k's fp32 row norms (stacked_row_norms) where
     the caller has them already (the fp16 forward), not computed again."""
-    k_norms = row_norms(k) if k_norms is None else k_norms
-    margin = row_norms(q).amax() * k_norms.amax() * (1e-2 * abs(scale))
+    k_norms = stacked_row_norms(k) if k_norms is None else k_norms
+    margin = stacked_row_norms(q).amax() * k_norms.amax() * (1e-2 * abs(scale))
     return torch.where(margin.isfinite(), margin, torch.nan).reshape(1)
 
 
@@ -309,7 +309,7 @@ def triton_forward(
     out = _empty_like_layout(q, (b, hq, tq, dv))
     bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
     srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
-    k_norms = row_norms(k) if kw["ROW_SCALE"] else beta  # (B, Hkv, 1, Tk); beta: unused
+    k_norms = stacked_row_norms(k) if kw["ROW_SCALE"] else beta  # (B, Hkv, 1, Tk); beta: unused
     margin = live = None
     if cfg.skip_zero:
         margin = _margin(q, k, scale, k_norms if kw["ROW_SCALE"] else None)
@@ -346,8 +346,8 @@ def triton_backward(
     scalars = (tq, tk, scale, power, 2.0 / d)
     dq, dk, dval = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if dq_kw["ROW_SCALE"]:  # the norms the fp16 row scales are bounded by; else unused (beta is passed)
-        qdo_norms = row_norms(q, dout)  # (B, Hq, 2, Tq)
-        kv_norms = row_norms(k, v)  # (B, Hkv, 2, Tk)
+        qdo_norms = stacked_row_norms(q, dout)  # (B, Hq, 2, Tq)
+        kv_norms = stacked_row_norms(k, v)  # (B, Hkv, 2, Tk)
     else:
         qdo_norms = kv_norms = beta
     inputs = (q, k, v, dout)

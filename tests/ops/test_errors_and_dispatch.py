@@ -180,11 +180,12 @@ def test_kernels_compile_for_hopper(tmp_path):
                 else:
                     sig[arg] = "i32"
             triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-        norms = tk.row_norms_kernel  # (X, OUT, ints...): the launcher's constexprs at D = 200
-        sig = {arg: "*bf16" if arg == "X" else "*fp32" if arg == "OUT" else "i32" for arg in norms.arg_names}
-        sig.update(D="constexpr", BLOCK_D="constexpr", BLOCK_T="constexpr")
-        triton.compile(ASTSource(fn=norms, signature=sig, constexprs=dict(D=200, BLOCK_D=256, BLOCK_T=32)),
-                       target=GPUTarget("cuda", 90, 32))
+        norms = tk.row_norms_kernel  # (X, OUT, ints...): the launcher's constexprs at D = 200 and 64
+        for x_type, d, block_d, block_t in (("*bf16", 200, 256, 32), ("*fp16", 64, 64, 128)):
+            sig = {arg: x_type if arg == "X" else "*fp32" if arg == "OUT" else "i32" for arg in norms.arg_names}
+            sig.update(D="constexpr", BLOCK_D="constexpr", BLOCK_T="constexpr")
+            triton.compile(ASTSource(fn=norms, signature=sig, constexprs=dict(D=d, BLOCK_D=block_d, BLOCK_T=block_t)),
+                           target=GPUTarget("cuda", 90, 32))
         print("compiled")
         """
     ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))
