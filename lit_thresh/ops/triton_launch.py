@@ -282,8 +282,14 @@ def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq:
     else:  # the unmasked key tiles of query tile m end at n_full (threshold_bwd_dq_kernel)
         x = x & (n[None, :] < ((past + m * bm + 1) // bn)[:, None])  # (B * Hq, n_m, n_n)
     counts = x.sum(dim=-1, dtype=torch.int32).flatten()
-    lists = torch.argsort(x.to(torch.int8), dim=-1, descending=True, stable=True)  # live tiles first, ascending
-    return lists.to(torch.int32).flatten(0, 1).contiguous(), counts
+    # Each live tile goes to its rank among its row's live tiles: a prefix sum and a scatter, not a sort (PERF.md
+    # v9). Dead tiles all write 0 past their row's count, which the kernels never read.
+    length = x.shape[-1]
+    rank = x.cumsum(dim=-1, dtype=torch.int32) - 1  # (B * Hq, grid rows per head, length)
+    tiles = torch.arange(length, device=x.device, dtype=torch.int32)  # (length,)
+    lists = torch.zeros(x.shape, device=x.device, dtype=torch.int32).scatter_(
+        -1, torch.where(x, rank, length - 1).long(), torch.where(x, tiles, 0))
+    return lists.flatten(0, 1), counts
 
 
 def triton_forward(
