@@ -281,14 +281,14 @@ def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq:
         x = x.transpose(1, 2) & (m[None, :] >= ((m_full.clamp(max=tq) + bm - 1) // bm)[:, None])  # (B * Hq, n_n, n_m)
     else:  # the unmasked key tiles of query tile m end at n_full (threshold_bwd_dq_kernel)
         x = x & (n[None, :] < ((past + m * bm + 1) // bn)[:, None])  # (B * Hq, n_m, n_n)
-    counts = x.sum(dim=-1, dtype=torch.int32).flatten()
     # Each live tile goes to its rank among its row's live tiles: a prefix sum and a scatter, not a sort (PERF.md
     # v9). Dead tiles all write 0 past their row's count, which the kernels never read.
-    length = x.shape[-1]
-    rank = x.cumsum(dim=-1, dtype=torch.int32) - 1  # (B * Hq, grid rows per head, length)
+    length = x.shape[-1]  # >= 1: Tk >= Tq >= 1
+    live_so_far = x.cumsum(dim=-1, dtype=torch.int32)  # (B * Hq, grid rows per head, length)
+    counts = live_so_far[..., -1].flatten().contiguous()  # a view with the row stride until copied
     tiles = torch.arange(length, device=x.device, dtype=torch.int32)  # (length,)
     lists = torch.zeros(x.shape, device=x.device, dtype=torch.int32).scatter_(
-        -1, torch.where(x, rank, length - 1).long(), torch.where(x, tiles, 0))
+        -1, torch.where(x, live_so_far - 1, length - 1).long(), torch.where(x, tiles, 0))
     return lists.flatten(0, 1), counts
 
 
