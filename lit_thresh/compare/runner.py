@@ -282,17 +282,20 @@ def device_slots(runs_per_device: int, devices_per_run: int) -> list[dict[str, s
     return [{"CUDA_VISIBLE_DEVICES": ",".join(group)} for group in groups for _ in range(runs_per_device)]
 
 
+def _device_group(slot: dict[str, str]) -> tuple:
+    """A slot's device group, hashable: the slots of one group share its GPUs."""
+    return tuple(sorted(slot.items()))
+
+
 def _fewer(slots: Sequence[dict[str, str]]) -> list[dict[str, str]]:
     """The slots with half as many per device group, at least one: where runs that ran out of memory sharing
     their GPU run again."""
-    counts = Counter(tuple(sorted(slot.items())) for slot in slots)
-    keep = {key: max(1, count // 2) for key, count in counts.items()}
+    keep = {group: max(1, count // 2) for group, count in Counter(map(_device_group, slots)).items()}
     fewer = []
     for slot in slots:  # in the slots' order
-        key = tuple(sorted(slot.items()))
-        if keep[key]:
+        if keep[group := _device_group(slot)]:
             fewer.append(slot)
-            keep[key] -= 1
+            keep[group] -= 1
     return fewer
 
 
@@ -325,7 +328,7 @@ def run_all(
     Interrupted. Returns the finished runs' results and the failed runs' errors, in run order."""
     results: dict[Run, dict] = {}
     failures: dict[Run, str] = {}
-    groups = {tuple(sorted(slot.items())) for slot in slots}  # the device groups; fewer than slots: runs share
+    groups = set(map(_device_group, slots))  # fewer than slots: runs share a GPU
     retry: set[Run] = set()
     todo = []
     for run in runs:
