@@ -183,6 +183,52 @@ def threshold_live_tiles_kernel(
 
 
 @triton.jit
+def tile_lists_kernel(
+    LIVE, LISTS, COUNTS,
+    stride_lh, stride_lr, stride_lc,
+    MAP_R, MAP_C, ROWS, LENGTH, TQ, TK,
+    ROW_TILE: tl.constexpr, ROW_GRAIN: tl.constexpr, COL_TILE: tl.constexpr, COL_GRAIN: tl.constexpr,
+    BY_KEY: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """A backward kernel's skip_zero work lists from the tile map LIVE, read as (B * H, MAP_R, MAP_C) through
+    its strides (the dK/dV kernel's rows are key tiles: the map transposed). Row r of head bh lists, in
+    ascending order, the tiles c (of COL_TILE positions) of that kernel's unmasked loop whose map tiles
+    (of COL_GRAIN x ROW_GRAIN) may be live: LISTS (B * H * ROWS, LENGTH) int32, the first COUNTS[row] entries;
+    0 after them. Tile sizes are powers of two times the map's grain, either way. BY_KEY: row r is key tile r,
+    listing query tiles from the first wholly unmasked one (threshold_bwd_dkv_kernel); else query tile r,
+    listing key tiles below the diagonal (threshold_bwd_dq_kernel). Grid (ROWS, B * H)."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    past = TK - TQ
+    if BY_KEY:  # query tiles from m_full on; ROW_TILE = BLOCK_N, COL_TILE = BLOCK_M
+        m_full = tl.minimum((tl.maximum(r * ROW_TILE + ROW_TILE - 1 - past, 0) + COL_TILE - 1) // COL_TILE * COL_TILE, TQ)
+        lo, hi = (m_full + COL_TILE - 1) // COL_TILE, LENGTH
+    else:  # key tiles below n_full; ROW_TILE = BLOCK_M, COL_TILE = BLOCK_N
+        lo, hi = 0, (past + r * ROW_TILE + 1) // COL_TILE
+    map_row = LIVE + bh * stride_lh
+    out = LISTS + (bh * ROWS + r) * LENGTH
+    count = 0
+    for start in range(0, LENGTH, BLOCK_L):
+        c = start + tl.arange(0, BLOCK_L)  # (BLOCK_L,) the list's tiles
+        live = tl.zeros((BLOCK_L,), dtype=tl.int32)
+        for i in tl.static_range(max(ROW_TILE // ROW_GRAIN, 1)):  # the map tiles a kernel tile overlaps
+            mr = r * ROW_TILE // ROW_GRAIN + i
+            cols = tl.where(mr < MAP_R, MAP_C, 0)  # the map's columns in row mr (none past its last row)
+            for j in tl.static_range(max(COL_TILE // COL_GRAIN, 1)):
+                mc = c * COL_TILE // COL_GRAIN + j
+                x = tl.load(map_row + mr * stride_lr + mc * stride_lc, mask=mc < cols, other=0)
+                live = live | (x != 0).to(tl.int32)
+        live = live & ((c >= lo) & (c < hi)).to(tl.int32)
+        rank = count + tl.cumsum(live, 0) - live  # (BLOCK_L,) each live tile's place in the list
+        tl.store(out + rank, c, mask=live != 0)
+        count += tl.sum(live, 0)
+    for start in range(0, LENGTH, BLOCK_L):  # zeros after the count, as the kernels never read
+        c = start + tl.arange(0, BLOCK_L)
+        tl.store(out + c, tl.zeros((BLOCK_L,), dtype=tl.int32), mask=(c >= count) & (c < LENGTH))
+    tl.store(COUNTS + bh * ROWS + r, count)
+
+
+@triton.jit
 def _tile_list(LUT, COUNTS, row, row_len, SKIP_ZERO: tl.constexpr):
     """SKIP_ZERO: (pointer to row `row` of the tile lists LUT (rows of row_len int32), its length); else
     (LUT, 0), unused."""

@@ -17,10 +17,11 @@ from lit_thresh.ops.triton_kernels import (
     threshold_bwd_dq_kernel,
     threshold_fwd_kernel,
     threshold_live_tiles_kernel,
+    tile_lists_kernel,
 )
 
 _FWD, _BWD_DKV, _BWD_DQ = map(FastLaunch, (threshold_fwd_kernel, threshold_bwd_dkv_kernel, threshold_bwd_dq_kernel))
-_NORMS = FastLaunch(row_norms_kernel)
+_NORMS, _LISTS = FastLaunch(row_norms_kernel), FastLaunch(tile_lists_kernel)
 
 
 @dataclass(frozen=True)
@@ -250,16 +251,17 @@ def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: floa
     return live
 
 
-def _regrain(live: torch.Tensor, size: int, grain: int, dim: int) -> torch.Tensor:
-    """The map along dim at tiles of `size` instead of `grain` (one a power-of-two multiple of the other):
-    a tile is live where any map tile it overlaps is."""
+def _check_nesting(size: int, grain: int) -> None:
     if max(size, grain) % min(size, grain):
         raise ValueError(f"skip_zero needs tile sizes that divide or are multiples of the map's, got {size} and {grain}")
-    if size < grain:
-        return live.repeat_interleave(grain // size, dim=dim)
-    f = size // grain
-    live = torch.nn.functional.pad(live, (0, 0) * (live.dim() - 1 - dim) + (0, -live.shape[dim] % f))
-    return live.unflatten(dim, (-1, f)).amax(dim=dim + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _lists_meta(row_tile: int, row_grain: int, col_tile: int, col_grain: int, by_key: bool, length: int) -> dict:
+    """tile_lists_kernel's constexprs (cached: FastLaunch keys them by identity)."""
+    block = min(1024, max(16, triton.next_power_of_2(length)))
+    return dict(ROW_TILE=row_tile, ROW_GRAIN=row_grain, COL_TILE=col_tile, COL_GRAIN=col_grain, BY_KEY=by_key,
+                BLOCK_L=block, num_warps=4 if block <= 256 else 8)
 
 
 def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq: int, tk: int,
@@ -268,28 +270,25 @@ def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq:
     multiples of the kernel's block sizes): for each row of its grid, the ascending indices of the tiles
     of its unmasked loop (the masked diagonal tiles always run) that may hold a weight, and their count.
     by_key (the dK/dV kernel): a row per (batch, query head, key tile) listing query tiles; else a row per
-    (batch, query head, query tile) listing key tiles. Returns (lists (rows, row length) int32, counts
-    (rows,) int32)."""
+    (batch, query head, query tile) listing key tiles. One tile_lists_kernel launch (PERF.md v10). Returns
+    (lists (rows, row length) int32, 0 after each row's count; counts (rows,) int32)."""
     bm, bn = cfg.block_m, cfg.block_n
+    _check_nesting(bm, grain[0])
+    _check_nesting(bn, grain[1])
     n_m, n_n = -(-tq // bm), -(-tk // bn)
-    x = _regrain(_regrain(live, bm, grain[0], 1)[:, :n_m], bn, grain[1], 2)[:, :, :n_n].bool()  # (B * Hq, n_m, n_n)
-    past = tk - tq
-    m = torch.arange(n_m, device=live.device)
-    n = torch.arange(n_n, device=live.device)
-    if by_key:  # the kernel's unmasked query tiles of key tile n start at m_full (threshold_bwd_dkv_kernel)
-        m_full = ((n * bn + bn - 1 - past).clamp(min=0) + bm - 1) // bm * bm
-        x = x.transpose(1, 2) & (m[None, :] >= ((m_full.clamp(max=tq) + bm - 1) // bm)[:, None])  # (B * Hq, n_n, n_m)
-    else:  # the unmasked key tiles of query tile m end at n_full (threshold_bwd_dq_kernel)
-        x = x & (n[None, :] < ((past + m * bm + 1) // bn)[:, None])  # (B * Hq, n_m, n_n)
-    # Each live tile goes to its rank among its row's live tiles: a prefix sum and a scatter, not a sort (PERF.md
-    # v9). Dead tiles all write 0 past their row's count, which the kernels never read.
-    length = x.shape[-1]  # >= 1: Tk >= Tq >= 1
-    live_so_far = x.cumsum(dim=-1, dtype=torch.int32)  # (B * Hq, grid rows per head, length)
-    counts = live_so_far[..., -1].flatten().contiguous()  # a view with the row stride until copied
-    tiles = torch.arange(length, device=x.device, dtype=torch.int32)  # (length,)
-    lists = torch.zeros(x.shape, device=x.device, dtype=torch.int32).scatter_(
-        -1, torch.where(x, live_so_far - 1, length - 1).long(), torch.where(x, tiles, 0))
-    return lists.flatten(0, 1), counts
+    heads, map_m, map_n = live.shape
+    if by_key:  # rows: key tiles; lists: query tiles (the map read transposed)
+        rows, length, strides, dims = n_n, n_m, (live.stride(0), live.stride(2), live.stride(1)), (map_n, map_m)
+        tiles = (bn, grain[1], bm, grain[0])
+    else:
+        rows, length, strides, dims = n_m, n_n, live.stride(), (map_m, map_n)
+        tiles = (bm, grain[0], bn, grain[1])
+    lists = torch.empty(heads * rows, length, device=live.device, dtype=torch.int32)
+    counts = torch.empty(heads * rows, device=live.device, dtype=torch.int32)
+    if lists.numel():
+        _LISTS((rows, heads), (live, lists, counts), (*strides, *dims, rows, length, tq, tk),
+               _lists_meta(*tiles, by_key, length))
+    return lists, counts
 
 
 def triton_forward(

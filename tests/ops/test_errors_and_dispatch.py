@@ -146,7 +146,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile every
     kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed), with skip_zero
     off and (bf16) on, the fp16 forward writing its map through row-scaled scores (p = 2), and the
-    skip_zero tile-map pre-pass, and the row norms' kernel. The bf16 case types the float scalars fp64, as
+    skip_zero tile-map pre-pass, the row norms' and the work lists' kernels. The bf16 case types the float scalars fp64, as
     torch.compile passes Python floats to user kernels."""
     script = textwrap.dedent(
         """
@@ -186,6 +186,11 @@ def test_kernels_compile_for_hopper(tmp_path):
             sig.update(D="constexpr", BLOCK_D="constexpr", BLOCK_T="constexpr")
             triton.compile(ASTSource(fn=norms, signature=sig, constexprs=dict(D=d, BLOCK_D=block_d, BLOCK_T=block_t)),
                            target=GPUTarget("cuda", 90, 32))
+        lists = tk.tile_lists_kernel  # (LIVE, LISTS, COUNTS, ints...): a by-key map read at a coarser grain
+        sig = {arg: "*i8" if arg == "LIVE" else "*i32" if arg in ("LISTS", "COUNTS") else "i32" for arg in lists.arg_names}
+        consts = dict(ROW_TILE=64, ROW_GRAIN=32, COL_TILE=32, COL_GRAIN=64, BY_KEY=True, BLOCK_L=1024)
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        triton.compile(ASTSource(fn=lists, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         print("compiled")
         """
     ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))

@@ -298,18 +298,36 @@ def _kernel_lists(live: torch.Tensor, grain: tuple[int, int], bm: int, bn: int, 
 @pytest.mark.parametrize("grain,block", [((16, 16), (16, 16)), ((16, 16), (32, 64)), ((16, 32), (64, 32)),
                                          ((64, 64), (32, 16)), ((32, 16), (16, 64))])
 @pytest.mark.parametrize("by_key", [False, True], ids=["by_query", "by_key"])
-def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, grain, block, by_key):
-    """tile_lists against the kernels' loop bounds written out in Python, on random maps: every live tile
-    of the unmasked loop in ascending order (first `count` entries), nothing else."""
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, grain, block, by_key, device):
+    """tile_lists (tile_lists_kernel) against the kernels' loop bounds written out in Python, on random maps:
+    every live tile of the unmasked loop in ascending order (first `count` entries), nothing else, then 0s."""
     from lit_thresh.ops.triton_launch import tile_lists
 
     gen = generator("tile-lists", tq, tk, grain, block, by_key)
     live = (torch.rand(3, -(-tq // grain[0]), -(-tk // grain[1]), generator=gen) < 0.3).to(torch.int8)
-    lists, counts = tile_lists(live, grain, BlockConfig(*block), tq, tk, by_key)
+    lists, counts = tile_lists(live.to(device), grain, BlockConfig(*block), tq, tk, by_key)
+    lists, counts = lists.cpu(), counts.cpu()
     want = _kernel_lists(live, grain, *block, tq, tk, by_key)
     assert counts.tolist() == [len(row) for row in want]
     assert [lists[r, : len(row)].tolist() for r, row in enumerate(want)] == want
+    assert all(not lists[r, len(row):].any() for r, row in enumerate(want))
     assert sum(map(len, want)) > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_tile_lists_of_a_long_row_span_several_chunks(device):
+    """A list longer than one chunk of tile_lists_kernel (1024 tiles): the ranks carry over between chunks.
+    One query tile after 2499 key tiles (Tq = 16, Tk = 16 x 2500)."""
+    from lit_thresh.ops.triton_launch import tile_lists
+
+    tq, tk = 16, 16 * 2500
+    live = (torch.rand(2, 1, tk // 16, generator=generator("tile-lists-long")) < 0.5).to(torch.int8)
+    lists, counts = tile_lists(live.to(device), (16, 16), BlockConfig(16, 16), tq, tk, by_key=False)
+    want = [torch.nonzero(live[h, 0, :2499]).flatten().tolist() for h in range(2)]  # below the diagonal tile
+    assert counts.tolist() == [len(row) for row in want] and min(counts.tolist()) > 1024
+    assert [lists[h, : len(row)].tolist() for h, row in enumerate(want)] == want
+    assert not any(lists[h, len(row):].any() for h, row in enumerate(want))
 
 
 def test_tile_lists_refuse_a_map_whose_tiles_do_not_nest_in_the_kernels():
