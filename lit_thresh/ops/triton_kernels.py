@@ -22,7 +22,8 @@ or from the pre-pass threshold_live_tiles_kernel), leaving out, loads included, 
 <= -margin (P exactly 0, no NaN), or over all of them when none is left out; the diagonal tiles always run. Exact
 for finite dO and v (a NaN there would reach a dead tile's dS through 0 * NaN only without skipping). With
 USE_TMA, the input tiles come through TMA tensor descriptors (zero-filled out of bounds) instead of masked
-pointer loads. row_norms_kernel gives the launchers the fp32 row norms of q, k, v or dO these bounds use.
+pointer loads. row_norms_kernel gives the launchers the fp32 row norms of q, k, v or dO these bounds use;
+tile_lists_kernel makes the backward kernels' skip_zero lists from the map.
 """
 
 import triton
@@ -192,8 +193,8 @@ def tile_lists_kernel(
 ):
     """A backward kernel's skip_zero work lists from the tile map LIVE, read as (B * H, MAP_R, MAP_C) through
     its strides (the dK/dV kernel's rows are key tiles: the map transposed). Row r of head bh lists, in
-    ascending order, the tiles c (of COL_TILE positions) of that kernel's unmasked loop whose map tiles
-    (of COL_GRAIN x ROW_GRAIN) may be live: LISTS (B * H * ROWS, LENGTH) int32, the first COUNTS[row] entries;
+    ascending order, the tiles c (of COL_TILE positions) of that kernel's unmasked loop that overlap a live map
+    tile (of ROW_GRAIN x COL_GRAIN positions): LISTS (B * H * ROWS, LENGTH) int32, the first COUNTS[row] entries;
     0 after them. Tile sizes are powers of two times the map's grain, either way. BY_KEY: row r is key tile r,
     listing query tiles from the first wholly unmasked one (threshold_bwd_dkv_kernel); else query tile r,
     listing key tiles below the diagonal (threshold_bwd_dq_kernel). Grid (ROWS, B * H)."""

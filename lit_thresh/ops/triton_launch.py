@@ -251,30 +251,35 @@ def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: floa
     return live
 
 
-def _check_nesting(size: int, grain: int) -> None:
+def _check_nesting(size: int, grain: int, names: str) -> None:
+    """ValueError unless a kernel's tile size and the map's grain along one dimension nest (one divides the other)."""
     if max(size, grain) % min(size, grain):
-        raise ValueError(f"skip_zero needs tile sizes that divide or are multiples of the map's, got {size} and {grain}")
+        raise ValueError(f"skip_zero needs tile sizes that divide or are multiples of the map's, got {size} and {grain} "
+                         f"({names})")
 
 
 @functools.lru_cache(maxsize=64)
-def _lists_meta(row_tile: int, row_grain: int, col_tile: int, col_grain: int, by_key: bool, length: int) -> dict:
-    """tile_lists_kernel's constexprs (cached: FastLaunch keys them by identity)."""
-    block = min(1024, max(16, triton.next_power_of_2(length)))
+def _lists_meta(row_tile: int, row_grain: int, col_tile: int, col_grain: int, by_key: bool, block: int) -> dict:
+    """tile_lists_kernel's constexprs, BLOCK_L = block (cached: FastLaunch keys them by identity)."""
     return dict(ROW_TILE=row_tile, ROW_GRAIN=row_grain, COL_TILE=col_tile, COL_GRAIN=col_grain, BY_KEY=by_key,
                 BLOCK_L=block, num_warps=4 if block <= 256 else 8)
 
 
 def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq: int, tk: int,
                by_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A kernel's skip_zero work lists from the tile map `live` (at `grain`, whose sizes divide or are
-    multiples of the kernel's block sizes): for each row of its grid, the ascending indices of the tiles
-    of its unmasked loop (the masked diagonal tiles always run) that may hold a weight, and their count.
-    by_key (the dK/dV kernel): a row per (batch, query head, key tile) listing query tiles; else a row per
-    (batch, query head, query tile) listing key tiles. One tile_lists_kernel launch (PERF.md v10). Returns
-    (lists (rows, row length) int32, 0 after each row's count; counts (rows,) int32)."""
+    """A kernel's skip_zero work lists from the tile map `live` ((B * Hq, cdiv(tq, grain[0]), cdiv(tk,
+    grain[1])) int8, any strides; grain's sizes divide or are multiples of the kernel's block sizes): for each
+    row of its grid, the ascending indices of the tiles of its unmasked loop (the masked diagonal tiles always
+    run) that may hold a weight, and their count. by_key (the dK/dV kernel): a row per (batch, query head, key
+    tile) listing query tiles; else a row per (batch, query head, query tile) listing key tiles. One
+    tile_lists_kernel launch (PERF.md v10). Returns (lists (rows, row length) int32, 0 after each row's count;
+    counts (rows,) int32)."""
     bm, bn = cfg.block_m, cfg.block_n
-    _check_nesting(bm, grain[0])
-    _check_nesting(bn, grain[1])
+    _check_nesting(bm, grain[0], "block_m and the map's query grain")
+    _check_nesting(bn, grain[1], "block_n and the map's key grain")
+    if live.dim() != 3 or live.shape[1:] != (-(-tq // grain[0]), -(-tk // grain[1])) or live.dtype != torch.int8:
+        raise ValueError(f"live must be an int8 map of shape (B * Hq, {-(-tq // grain[0])}, {-(-tk // grain[1])}) for "
+                         f"tq = {tq}, tk = {tk} at grain {grain}, got {live.dtype} {tuple(live.shape)}")
     n_m, n_n = -(-tq // bm), -(-tk // bn)
     heads, map_m, map_n = live.shape
     if by_key:  # rows: key tiles; lists: query tiles (the map read transposed)
@@ -283,11 +288,12 @@ def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq:
     else:
         rows, length, strides, dims = n_m, n_n, live.stride(), (map_m, map_n)
         tiles = (bm, grain[0], bn, grain[1])
-    lists = torch.empty(heads * rows, length, device=live.device, dtype=torch.int32)
-    counts = torch.empty(heads * rows, device=live.device, dtype=torch.int32)
+    lists = torch.empty(heads * rows, length, device=live.device, dtype=torch.int32)  # (B * Hq * rows, length)
+    counts = torch.empty(heads * rows, device=live.device, dtype=torch.int32)  # (B * Hq * rows,)
     if lists.numel():
+        block = min(1024, max(16, triton.next_power_of_2(length)))
         _LISTS((rows, heads), (live, lists, counts), (*strides, *dims, rows, length, tq, tk),
-               _lists_meta(*tiles, by_key, length))
+               _lists_meta(*tiles, by_key, block))
     return lists, counts
 
 

@@ -186,11 +186,12 @@ def test_kernels_compile_for_hopper(tmp_path):
             sig.update(D="constexpr", BLOCK_D="constexpr", BLOCK_T="constexpr")
             triton.compile(ASTSource(fn=norms, signature=sig, constexprs=dict(D=d, BLOCK_D=block_d, BLOCK_T=block_t)),
                            target=GPUTarget("cuda", 90, 32))
-        lists = tk.tile_lists_kernel  # (LIVE, LISTS, COUNTS, ints...): a by-key map read at a coarser grain
-        sig = {arg: "*i8" if arg == "LIVE" else "*i32" if arg in ("LISTS", "COUNTS") else "i32" for arg in lists.arg_names}
-        consts = dict(ROW_TILE=64, ROW_GRAIN=32, COL_TILE=32, COL_GRAIN=64, BY_KEY=True, BLOCK_L=1024)
-        sig.update(dict.fromkeys(consts, "constexpr"))
-        triton.compile(ASTSource(fn=lists, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        lists = tk.tile_lists_kernel  # (LIVE, LISTS, COUNTS, ints...): kernel rows coarser, columns finer than the map
+        for by_key, block_l in ((True, 1024), (False, 64)):
+            sig = {arg: "*i8" if arg == "LIVE" else "*i32" if arg in ("LISTS", "COUNTS") else "i32" for arg in lists.arg_names}
+            consts = dict(ROW_TILE=64, ROW_GRAIN=32, COL_TILE=32, COL_GRAIN=64, BY_KEY=by_key, BLOCK_L=block_l)
+            sig.update(dict.fromkeys(consts, "constexpr"))
+            triton.compile(ASTSource(fn=lists, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         print("compiled")
         """
     ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))

@@ -316,18 +316,42 @@ def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, gr
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_tile_lists_of_a_long_row_span_several_chunks(device):
-    """A list longer than one chunk of tile_lists_kernel (1024 tiles): the ranks carry over between chunks.
-    One query tile after 2499 key tiles (Tq = 16, Tk = 16 x 2500)."""
+@pytest.mark.parametrize("by_key", [False, True], ids=["by_query", "by_key"])
+def test_tile_lists_of_long_rows_span_several_chunks(by_key, device):
+    """Lists longer than one chunk of tile_lists_kernel (1024 tiles): the ranks carry over between chunks.
+    by_query: one query tile after 2499 key tiles (Tq = 16, Tk = 16 x 2500). by_key: 1100 query tiles of 16,
+    key tiles of 32 over a map of 16 x 16 (two map columns per kernel tile), the map a non-contiguous view."""
     from lit_thresh.ops.triton_launch import tile_lists
 
-    tq, tk = 16, 16 * 2500
-    live = (torch.rand(2, 1, tk // 16, generator=generator("tile-lists-long")) < 0.5).to(torch.int8)
-    lists, counts = tile_lists(live.to(device), (16, 16), BlockConfig(16, 16), tq, tk, by_key=False)
-    want = [torch.nonzero(live[h, 0, :2499]).flatten().tolist() for h in range(2)]  # below the diagonal tile
-    assert counts.tolist() == [len(row) for row in want] and min(counts.tolist()) > 1024
-    assert [lists[h, : len(row)].tolist() for h, row in enumerate(want)] == want
-    assert not any(lists[h, len(row):].any() for h, row in enumerate(want))
+    gen = generator("tile-lists-long", by_key)
+    if not by_key:
+        tq, tk, block = 16, 16 * 2500, (16, 16)
+        live = (torch.rand(2, 1, tk // 16, generator=gen) < 0.5).to(torch.int8)  # (B * H, 1, 2500)
+        want = [torch.nonzero(live[h, 0, :2499]).flatten().tolist() for h in range(2)]  # below the diagonal tile
+    else:
+        tq = tk = 16 * 1100
+        block = (16, 32)
+        live = (torch.rand(1, 1100, 1100, generator=gen) < 0.8).to(torch.int8).transpose(1, 2).contiguous().transpose(1, 2)
+        assert not live.is_contiguous()
+        pairs = live[0].bool().view(1100, 550, 2).any(-1)  # (query tiles, key tiles of 32)
+        # key tile n lists the query tiles from the first whose rows all see its keys: (32 n + 31) / 16 rounded up
+        want = [(torch.nonzero(pairs[-(-(32 * n + 31) // 16):, n]).flatten() + -(-(32 * n + 31) // 16)).tolist()
+                for n in range(550)]
+    lists, counts = tile_lists(live.to(device), (16, 16), BlockConfig(*block), tq, tk, by_key)
+    lists, counts = lists.cpu(), counts.cpu()
+    assert counts.tolist() == [len(row) for row in want] and max(counts.tolist()) > 1024
+    assert [lists[r, : len(row)].tolist() for r, row in enumerate(want)] == want
+    assert not any(lists[r, len(row):].any() for r, row in enumerate(want))
+
+
+def test_tile_lists_refuse_a_map_of_another_shape_or_dtype():
+    """A map too small for tq, tk would read as dead past its end (wrong gradients): refused, naming live."""
+    from lit_thresh.ops.triton_launch import tile_lists
+
+    with pytest.raises(ValueError, match=r"live must be an int8 map of shape \(B \* Hq, 2, 4\)"):
+        tile_lists(torch.ones(1, 2, 3, dtype=torch.int8), (16, 16), BlockConfig(16, 16), 32, 64, by_key=False)
+    with pytest.raises(ValueError, match="live must be an int8 map.*got torch.bool"):
+        tile_lists(torch.ones(1, 2, 4, dtype=torch.bool), (16, 16), BlockConfig(16, 16), 32, 64, by_key=True)
 
 
 def test_tile_lists_refuse_a_map_whose_tiles_do_not_nest_in_the_kernels():
