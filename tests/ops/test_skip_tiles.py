@@ -320,24 +320,24 @@ def test_tile_lists_hold_exactly_the_live_tiles_of_each_unmasked_loop(tq, tk, gr
 def test_tile_lists_of_long_rows_span_several_chunks(by_key, device):
     """Lists longer than one chunk of tile_lists_kernel (1024 tiles): the ranks carry over between chunks.
     by_query: one query tile after 2499 key tiles (Tq = 16, Tk = 16 x 2500). by_key: 1100 query tiles of 16,
-    key tiles of 32 over a map of 16 x 16 (two map columns per kernel tile), the map a non-contiguous view."""
+    key tiles of 128 over a map of 16 x 64 tiles (two map columns per kernel tile, the last one past the
+    map's end), the map a non-contiguous view."""
     from lit_thresh.ops.triton_launch import tile_lists
 
     gen = generator("tile-lists-long", by_key)
     if not by_key:
-        tq, tk, block = 16, 16 * 2500, (16, 16)
+        tq, tk, grain, block = 16, 16 * 2500, (16, 16), (16, 16)
         live = (torch.rand(2, 1, tk // 16, generator=gen) < 0.5).to(torch.int8)  # (B * H, 1, 2500)
         want = [torch.nonzero(live[h, 0, :2499]).flatten().tolist() for h in range(2)]  # below the diagonal tile
     else:
         tq = tk = 16 * 1100
-        block = (16, 32)
-        live = (torch.rand(1, 1100, 1100, generator=gen) < 0.8).to(torch.int8).transpose(1, 2).contiguous().transpose(1, 2)
-        assert not live.is_contiguous()
-        pairs = live[0].bool().view(1100, 550, 2).any(-1)  # (query tiles, key tiles of 32)
-        # key tile n lists the query tiles from the first whose rows all see its keys: (32 n + 31) / 16 rounded up
-        want = [(torch.nonzero(pairs[-(-(32 * n + 31) // 16):, n]).flatten() + -(-(32 * n + 31) // 16)).tolist()
-                for n in range(550)]
-    lists, counts = tile_lists(live.to(device), (16, 16), BlockConfig(*block), tq, tk, by_key)
+        grain, block = (16, 64), (16, 128)
+        live = (torch.rand(1, 275, 1100, generator=gen) < 0.9).to(torch.int8).transpose(1, 2)  # (1, 1100, 275)
+        pairs = F.pad(live[0].bool(), (0, 1)).view(1100, 138, 2).any(-1)  # (query tiles, key tiles of 128)
+        # key tile n lists the query tiles from the first whose rows all see its keys: (128 n + 127) / 16 rounded up
+        want = [(torch.nonzero(pairs[-(-(128 * n + 127) // 16):, n]).flatten() + -(-(128 * n + 127) // 16)).tolist()
+                for n in range(138)]
+    lists, counts = tile_lists(live.to(device), grain, BlockConfig(*block), tq, tk, by_key)
     lists, counts = lists.cpu(), counts.cpu()
     assert counts.tolist() == [len(row) for row in want] and max(counts.tolist()) > 1024
     assert [lists[r, : len(row)].tolist() for r, row in enumerate(want)] == want
