@@ -4,6 +4,10 @@ Per layer l and head h, measured on a small fixed validation batch (tags under `
 
 - ``head{h}/zero_frac``: fraction of exact zeros among the causal weights (keys j <= query i): the
   sparsity of threshold attention; about 0 for softmax, whose weights are positive unless they underflow.
+- ``head{h}/zero_tile_frac``: fraction of the 64 x 64 tiles wholly below the diagonal whose weights are all
+  exact zeros: the share of the backward's off-diagonal work that ``skip_zero`` (docs/ops.md) would skip at
+  64 x 64 tiles. Only for sequences of more than 64 positions; the zeros of a map can be many while its
+  all-zero tiles are few.
 - ``head{h}/sink_mass``: share of a query's total |weight| that falls on the first token, averaged over
   the queries at positions >= 1 that attend to something (position 0 sees only key 0 under every map,
   so it would add the same 1 to every variant; NaN when no query of the head attends anything).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
@@ -39,6 +44,23 @@ def zero_fraction(weights: torch.Tensor) -> torch.Tensor:
     causal = causal_mask(tq, tk, weights.device)  # (Tq, Tk)
     zeros = ((weights == 0) & causal).sum(dim=(0, 2, 3))  # (H,)
     return zeros.to(weights.dtype) / (b * causal.sum())
+
+
+def zero_tile_fraction(weights: torch.Tensor, tile: int = 64) -> torch.Tensor | None:
+    """Causal attention maps (B, H, Tq, Tk) -> (H,): fraction of the tile x tile tiles (from query 0 and key
+    0) wholly below the diagonal, every query of the tile past every key of it, whose weights are all
+    exact zeros; None when there is no such tile."""
+    b, _, tq, tk = weights.shape
+    n_m, n_n = -(-tq // tile), -(-tk // tile)
+    first_pos = tk - tq + torch.arange(n_m, device=weights.device) * tile  # (n_m,) each query tile's first position
+    last_key = torch.arange(1, n_n + 1, device=weights.device) * tile - 1  # (n_n,) each key tile's last key
+    below = last_key[None, :] <= first_pos[:, None]  # (n_m, n_n)
+    if not below.any():
+        return None
+    nonzero = F.pad((weights != 0).to(torch.uint8), (0, n_n * tile - tk, 0, n_m * tile - tq))  # (B, H, n_m*tile, n_n*tile)
+    live = nonzero.unflatten(3, (n_n, tile)).unflatten(2, (n_m, tile)).amax(dim=(3, 5)) > 0  # (B, H, n_m, n_n)
+    zero = (~live & below).sum(dim=(0, 2, 3))  # (H,)
+    return zero.to(weights.dtype) / (b * below.sum())
 
 
 def sink_mass(weights: torch.Tensor) -> torch.Tensor:
@@ -62,12 +84,17 @@ def keys_attended(weights: torch.Tensor) -> torch.Tensor:
 
 def head_statistics(weights: torch.Tensor, position_bins: int = 4) -> dict[str, torch.Tensor]:
     """Every per-head statistic of causal attention maps (B, H, Tq, Tk), by tag name, each (H,):
-    zero_frac, sink_mass, keys_attended and keys_attended_pos{a}-{b} over `position_bins` equal bins
+    zero_frac, zero_tile_frac (where a tile lies wholly below the diagonal), sink_mass, keys_attended and
+    keys_attended_pos{a}-{b} over `position_bins` equal bins
     of the query positions a..b (fewer when Tq < position_bins; a and b zero-padded to the digits of Tk - 1)."""
     check_int("position_bins", position_bins)
     tq, tk = weights.shape[2:]
     per_query = keys_attended(weights)  # (H, Tq)
-    stats = {"zero_frac": zero_fraction(weights), "sink_mass": sink_mass(weights)}
+    stats = {"zero_frac": zero_fraction(weights)}
+    tiles = zero_tile_fraction(weights)
+    if tiles is not None:
+        stats["zero_tile_frac"] = tiles
+    stats["sink_mass"] = sink_mass(weights)
     stats["keys_attended"] = per_query.mean(dim=-1)
     digits = len(str(tk - 1))  # zero-padded, so that dashboards sort the bins by position
     for queries in torch.arange(tq).tensor_split(min(position_bins, tq)):

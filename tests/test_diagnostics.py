@@ -34,6 +34,7 @@ from lit_thresh.diagnostics import (
     record_attention_maps,
     sink_mass,
     zero_fraction,
+    zero_tile_fraction,
 )
 from lit_thresh.model import Transformer, TransformerConfig
 from lit_thresh.module import LanguageModel
@@ -50,6 +51,36 @@ def test_statistics_of_a_small_map():
     assert zero_fraction(weights).tolist() == [1 / 6]  # one zero (query 2, key 1) among 6 causal weights
     assert sink_mass(weights).tolist() == [(0.25 + 0.5) / 2]  # queries 1 and 2
     assert keys_attended(weights).tolist() == [[1.0, 2.0, 2.0]]
+
+
+def test_zero_tile_fraction_counts_the_all_zero_tiles_below_the_diagonal():
+    """T = 256: 64 x 64 tiles (m, n) with n < m are wholly below the diagonal, 6 of them. Head 0 is dense;
+    head 1 has tiles (2, 0), (3, 0), (3, 1) all zero, and (2, 1) zero but for one weight; its diagonal tiles
+    and the zeros above the diagonal do not count. Threshold-like zeros scattered everywhere leave no tile."""
+    t = 256
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    weights = (0.1 + torch.rand(1, 2, t, t, generator=generator(5), dtype=torch.float64)) * causal  # (1, 2, T, T)
+    for m, n in ((2, 0), (3, 0), (3, 1), (2, 1)):
+        weights[0, 1, m * 64:(m + 1) * 64, n * 64:(n + 1) * 64] = 0.0
+    weights[0, 1, 150, 100] = 0.3  # tile (2, 1) keeps one weight
+    weights[0, 1, 10:40, 0:5] = 0.0  # zeros inside a diagonal tile: not counted
+    assert zero_tile_fraction(weights).tolist() == [0.0, 3 / 6]
+    sparse = weights[:, :1] * (torch.rand(1, 1, t, t, generator=generator(6)) < 0.05)  # ~95% zeros, scattered
+    assert zero_fraction(sparse).item() > 0.9 and zero_tile_fraction(sparse).tolist() == [0.0]
+
+
+def test_zero_tile_fraction_of_decoding_maps_and_short_ones():
+    """With Tq < Tk the tiles start at query 0 of the map (position Tk - Tq): Tq = 70 queries after 130 keys give
+    query tiles at positions 130 and 194, which see key tiles 0 and 1 (keys 0-127) and 0-2 (keys 0-191): 5 of the
+    2 x 4 tiles. With T <= 64 there is none (at T = 65 query 64 starts a tile past key tile 0), and
+    head_statistics leaves the tag out."""
+    weights = torch.ones(2, 1, 70, 200, dtype=torch.float64).tril(diagonal=130)  # (B, H, Tq, Tk), causal
+    weights[1, 0, 0:64, 64:128] = 0.0  # sequence 1: query tile 0's key tile 1
+    assert zero_tile_fraction(weights).tolist() == [1 / 10]  # 1 of the 2 sequences x 5 tiles
+    short = torch.ones(1, 2, 64, 64, dtype=torch.float64).tril()
+    assert zero_tile_fraction(short) is None and "zero_tile_frac" not in head_statistics(short)
+    longer = torch.ones(1, 2, 65, 65, dtype=torch.float64).tril()
+    assert zero_tile_fraction(longer).tolist() == [0.0, 0.0] and "zero_tile_frac" in head_statistics(longer)
 
 
 def hand_built_map(b: int = 3, h: int = 2, t: int = 12) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
