@@ -48,8 +48,8 @@ def zero_fraction(weights: torch.Tensor) -> torch.Tensor:
 
 def zero_tile_fraction(weights: torch.Tensor, tile: int = 64) -> torch.Tensor | None:
     """Causal attention maps (B, H, Tq, Tk) -> (H,): fraction of the tile x tile tiles (from query 0 and key
-    0) wholly below the diagonal, every query of the tile past every key of it, whose weights are all
-    exact zeros; None when there is no such tile."""
+    0) wholly below the diagonal (every query of the tile sees every key of it: the kernels' unmasked tiles)
+    whose weights are all exact zeros; None when there is no such tile."""
     b, _, tq, tk = weights.shape
     n_m, n_n = -(-tq // tile), -(-tk // tile)
     first_pos = tk - tq + torch.arange(n_m, device=weights.device) * tile  # (n_m,) each query tile's first position
