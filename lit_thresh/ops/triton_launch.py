@@ -277,16 +277,17 @@ def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq:
     bm, bn = cfg.block_m, cfg.block_n
     _check_nesting(bm, grain[0], "block_m and the map's query grain")
     _check_nesting(bn, grain[1], "block_n and the map's key grain")
-    if live.dim() != 3 or live.shape[1:] != (-(-tq // grain[0]), -(-tk // grain[1])) or live.dtype != torch.int8:
-        raise ValueError(f"live must be an int8 map of shape (B * Hq, {-(-tq // grain[0])}, {-(-tk // grain[1])}) for "
+    tiles_m, tiles_n = -(-tq // grain[0]), -(-tk // grain[1])  # the map's shape past B * Hq
+    if live.dim() != 3 or live.shape[1:] != (tiles_m, tiles_n) or live.dtype != torch.int8:
+        raise ValueError(f"live must be an int8 map of shape (B * Hq, {tiles_m}, {tiles_n}) for "
                          f"tq = {tq}, tk = {tk} at grain {grain}, got {live.dtype} {tuple(live.shape)}")
     n_m, n_n = -(-tq // bm), -(-tk // bn)
-    heads, map_m, map_n = live.shape
+    heads = live.shape[0]
     if by_key:  # rows: key tiles; lists: query tiles (the map read transposed)
-        rows, length, strides, dims = n_n, n_m, (live.stride(0), live.stride(2), live.stride(1)), (map_n, map_m)
+        rows, length, strides, dims = n_n, n_m, (live.stride(0), live.stride(2), live.stride(1)), (tiles_n, tiles_m)
         tiles = (bn, grain[1], bm, grain[0])
     else:
-        rows, length, strides, dims = n_m, n_n, live.stride(), (map_m, map_n)
+        rows, length, strides, dims = n_m, n_n, live.stride(), (tiles_m, tiles_n)
         tiles = (bm, grain[0], bn, grain[1])
     lists = torch.empty(heads * rows, length, device=live.device, dtype=torch.int32)  # (B * Hq * rows, length)
     counts = torch.empty(heads * rows, device=live.device, dtype=torch.int32)  # (B * Hq * rows,)

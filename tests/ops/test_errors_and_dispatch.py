@@ -145,9 +145,9 @@ def test_dispatch_cuda():
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile every
     kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed), with skip_zero
-    off and (bf16) on, the fp16 forward writing its map through row-scaled scores (p = 2), and the
-    skip_zero tile-map pre-pass, the row norms' and the work lists' kernels. The bf16 case types the float scalars fp64, as
-    torch.compile passes Python floats to user kernels."""
+    off and (bf16) on, the fp16 forward writing its map through row-scaled scores (p = 2), the skip_zero
+    tile-map pre-pass, and the row norms' and the work lists' kernels. The bf16 case types the float scalars
+    fp64, as torch.compile passes Python floats to user kernels."""
     script = textwrap.dedent(
         """
         import itertools, triton
