@@ -354,6 +354,20 @@ def test_plot_against_a_grid_axis_has_a_panel_per_label_and_a_line_per_variant(t
     assert figure.axes[0].get_ylim() == figure.axes[2].get_ylim()  # one y range: the panels compare at a glance
 
 
+def test_plot_panels_follow_their_numbers_whichever_variant_ran_where(tmp_path):
+    """Panels by a numeric axis come in increasing order even when the first variant's only run is at the
+    largest value (a slice of a grid), not in the order the rows meet them."""
+    rng = torch.Generator().manual_seed(7)
+    cells = [("softmax", "256"), ("threshold", "64"), ("threshold", "128"), ("threshold", "512")]
+    results = {Run(i, variant, (("L", length), ("d_model", "64")), 0): fake_result(rng, ["best/val/acc"])
+               for i, (variant, length) in enumerate(cells)}
+    rows = report.make_rows(results, ["softmax", "threshold"])
+    axes = plan.PlotAxes(x="model.config.d_model", panels="L")
+    figure = report.plot(tmp_path / "p.png", rows, "best/val/acc", axes, {"L": "L", "model.config.d_model": "d_model"})
+    assert [ax.get_title().rsplit("L = ", 1)[1] for ax in figure.axes] == ["64", "128", "256", "512"]
+    assert [c.get_label() for c in figure.axes[2].containers] == ["softmax"]
+
+
 def test_plot_lines_break_at_cells_without_a_run(tmp_path):
     """softmax has no run at d_model 128, threshold none at 64: softmax's line breaks there (no segment joins
     64 and 256), threshold's starts at 128."""

@@ -203,15 +203,17 @@ def _key_panels(rows: Sequence[Row], key_metric: str, axes: PlotAxes | None, nam
         bars = {row.label: summaries(row, [key_metric]).get(key_metric) for row in rows}
         return [("", {"": {label: summary for label, summary in bars.items() if summary is not None}})]
     x, by = names[axes.x], names[axes.panels] if axes.panels else None
-    panels: dict[str, dict[str, dict[str, Summary]]] = {}
+    panels: dict[str, dict[str, dict[str, Summary]]] = {}  # panel label -> line -> x label -> Summary
     for row in rows:
         cell = dict(row.cell)
         line = " ".join([row.variant, *(f"{a}={label}" for a, label in row.cell if a not in (x, by))])
         summary = summaries(row, [key_metric]).get(key_metric)
         if summary is not None:
-            panel = f"{by} = {cell[by]}" if by else ""
-            panels.setdefault(panel, {}).setdefault(line, {})[cell[x]] = summary
-    return list(panels.items()) or [("", {})]
+            panels.setdefault(cell[by] if by else "", {}).setdefault(line, {})[cell[x]] = summary
+    labels = list(panels)  # in the rows' order; numbers in increasing order, as the x axis
+    if by and all(_number(label) is not None for label in labels):
+        labels.sort(key=_number)
+    return [(f"{by} = {label}" if by else "", panels[label]) for label in labels] or [("", {})]
 
 
 def plot(path: Path, rows: Sequence[Row], key_metric: str, axes: PlotAxes | None = None,

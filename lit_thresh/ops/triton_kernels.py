@@ -524,25 +524,22 @@ def _bwd_dkv_inner(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Over query tiles [lo, hi); SKIP_ZERO: instead only the count query tiles listed (ascending tile
-    indices) at lut, decided before any load, unless that is every tile (the plain loop is faster)."""
+    indices) at lut, decided before any load, unless that is every tile (the plain loop is faster); both
+    loops at the top level, as in _bwd_dq_inner."""
+    plain_hi = hi
     if SKIP_ZERO:
-        if count < tl.cdiv(hi - lo, BLOCK_M):
-            for i in range(0, count):
-                start_m = tl.multiple_of(tl.load(lut + i) * BLOCK_M, BLOCK_M)
-                dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                                       stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
-                                       D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                                       FP16_RANGE, PRECISION, UPCAST, USE_TMA)
-        else:
-            dk, dv = _bwd_dkv_range(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                                    stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
-                                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                                    FP16_RANGE, PRECISION, UPCAST, USE_TMA)
-    else:
-        dk, dv = _bwd_dkv_range(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                                stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
-                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                                FP16_RANGE, PRECISION, UPCAST, USE_TMA)
+        full = count >= tl.cdiv(hi - lo, BLOCK_M)
+        for i in range(0, tl.where(full, 0, count)):
+            start_m = tl.multiple_of(tl.load(lut + i) * BLOCK_M, BLOCK_M)
+            dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                                   stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                                   D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                                   FP16_RANGE, PRECISION, UPCAST, USE_TMA)
+        plain_hi = tl.where(full, hi, lo)
+    dk, dv = _bwd_dkv_range(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
+                            stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, plain_hi,
+                            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                            FP16_RANGE, PRECISION, UPCAST, USE_TMA)
     return dk, dv
 
 
@@ -693,25 +690,22 @@ def _bwd_dq_inner(
 ):
     """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales. SKIP_ZERO: instead only the
     count key tiles listed (ascending tile indices) at lut, decided before any load, unless that is every
-    tile (the plain loop is faster)."""
+    tile (the plain loop is faster). Both loops sit at the top level, one of them with no trips, not one
+    in each branch of an if (lit_thresh/ops/PERF.md v12)."""
+    plain_hi = hi
     if SKIP_ZERO:
-        if count < tl.cdiv(hi - lo, BLOCK_N):
-            for i in range(0, count):
-                start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
-                dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt,
-                                          stride_kd, stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D,
-                                          BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION,
-                                          UPCAST, BETA_GRAD, USE_TMA)
-        else:
-            dq, ds_sum = _bwd_dq_range(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
-                                       stride_vt, stride_vd, TK, scale, power, lo, hi, D, DV, BLOCK_D, BLOCK_DV,
-                                       BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
-                                       BETA_GRAD, USE_TMA)
-    else:
-        dq, ds_sum = _bwd_dq_range(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
-                                   stride_vt, stride_vd, TK, scale, power, lo, hi, D, DV, BLOCK_D, BLOCK_DV,
-                                   BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
-                                   BETA_GRAD, USE_TMA)
+        full = count >= tl.cdiv(hi - lo, BLOCK_N)
+        for i in range(0, tl.where(full, 0, count)):
+            start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
+            dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt,
+                                      stride_kd, stride_vt, stride_vd, TK, scale, power, start_n, D, DV, BLOCK_D,
+                                      BLOCK_DV, BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION,
+                                      UPCAST, BETA_GRAD, USE_TMA)
+        plain_hi = tl.where(full, hi, lo)
+    dq, ds_sum = _bwd_dq_range(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt, stride_kd,
+                               stride_vt, stride_vd, TK, scale, power, lo, plain_hi, D, DV, BLOCK_D, BLOCK_DV,
+                               BLOCK_N, CAUSAL_MASK, POWER_MODE, DS_SCALED, FP16_RANGE, PRECISION, UPCAST,
+                               BETA_GRAD, USE_TMA)
     return dq, ds_sum
 
 
