@@ -12,8 +12,8 @@ backend's time over this row's (above 1: faster than SDPA), and peak extra memor
 gradients included). Rows: SDPA; the single op (beta learnable, so dbeta is computed); the differential op
 fused (when lit_thresh.ops has it) and as two single calls; and rows on sparse maps: unit-norm q, k drawn
 around one direction per 512-position segment, beta set so that a measured 50 / 90 / 99% of the causal
-weights are zero, launched with skip_zero off and on (the measured zero fraction of weights and of 64x64
-tiles is printed). Host overhead: host time per call on tiny inputs, with no synchronisation in the loop,
+weights are zero (`--zero-fractions`; 0 gives a dense map, where skipping can only cost), launched with
+skip_zero off and on (the measured zero fraction of weights and of 64x64 tiles is printed). Host overhead: host time per call on tiny inputs, with no synchronisation in the loop,
 and again with the op's Triton launches stubbed out (our Python alone; the difference is Triton's launcher).
 """
 
@@ -247,7 +247,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, beta: float, rows: torch.Tensor) -
 
 
 def beta_for_zero_fraction(q: torch.Tensor, k: torch.Tensor, target: float) -> float:
-    """The beta at which `target` of the causal weights of head (0, 0) are zero, by bisection on sampled rows."""
+    """The beta at which `target` of the causal weights of head (0, 0) are zero, by bisection on sampled rows;
+    for 0, the bisection's floor, -50: with unit-norm q and k every weight past the first position is > 0."""
     t = q.shape[2]
     rows = torch.arange(0, t, max(1, t // 512), device=q.device)
     x = _scores(q[0, 0], k[0, 0], 0.0, rows)
@@ -591,7 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=_positive_int, default=16384, help="B * T at every grid point")
     parser.add_argument("--heads", type=_positive_int, default=16)
     parser.add_argument("--zero-fractions", type=float, nargs="*", default=[0.5, 0.9, 0.99],
-                        help="fractions of zero weights for the skip_zero rows (none: no such rows)")
+                        help="fractions of zero weights for the skip_zero rows (none: no such rows; 0: a dense "
+                             "map, what skipping costs where there is nothing to skip)")
     parser.add_argument("--quick", action="store_true", help="shorter timing; sparse rows at the longest T only")
     parser.add_argument("--sweep", action="store_true",
                         help="first time block configs of each kernel (the single and the differential op's)")
@@ -612,8 +614,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for d in args.head_dims:
         if d > 256:
             parser.error(f"--head-dims: each D must be in [1, 256], got {d}")
-    if any(not 0.0 < f < 1.0 for f in args.zero_fractions):
-        parser.error(f"--zero-fractions: each must be in (0, 1), got {args.zero_fractions}")
+    if any(not 0.0 <= f < 1.0 for f in args.zero_fractions):
+        parser.error(f"--zero-fractions: each must be in [0, 1), got {args.zero_fractions}")
     return args
 
 

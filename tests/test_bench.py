@@ -45,7 +45,9 @@ def test_restricted_grid():
         (["--head-dims", "300"], r"each D must be in \[1, 256\]"),
         (["--head-dims", "0"], "must be a positive integer"),
         (["--dtypes", "float32"], "invalid choice"),
-        (["--zero-fractions", "1.5"], r"each must be in \(0, 1\)"),
+        (["--zero-fractions", "1.5"], r"each must be in \[0, 1\)"),
+        (["--zero-fractions", "1.0"], r"each must be in \[0, 1\)"),
+        (["--zero-fractions", "-0.1"], r"each must be in \[0, 1\)"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
@@ -208,3 +210,18 @@ def test_sweep_times_every_config_of_both_ops_and_sorts_each_kernel(monkeypatch)
     assert all(math.isfinite(r.fwd_ms if r.variant.removeprefix("diff ").startswith("fwd") else r.fwd_bwd_ms)
                for r in rows if r is not failed[0])
     assert all(bench.is_sweep_row(r) for r in rows) and "diff bwd_dkv" in bench.format_sweep(rows)
+
+
+@pytest.mark.parametrize("target", [0.0, 0.5, 0.9])
+def test_beta_for_zero_fraction_reaches_the_target_and_zero_means_dense(target):
+    """The skip_zero rows' beta gives the asked fraction of zero causal weights; 0 (parse_args accepts it)
+    gives a dense map: no all-zero tile, what skipping costs where there is nothing to skip."""
+    assert parse_args(["--zero-fractions", str(target)]).zero_fractions == [target]
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 1, 512, 64, generator=gen), dim=-1) for _ in range(2))
+    beta = bench.beta_for_zero_fraction(q, k, target)
+    weights_zero, tiles_zero = bench.zero_fractions(q, k, beta)
+    if target == 0.0:
+        assert beta == -50.0 and weights_zero < 0.01 and tiles_zero == 0.0
+    else:
+        assert abs(weights_zero - target) < 0.02
