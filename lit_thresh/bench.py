@@ -2,11 +2,13 @@
 
     python -m lit_thresh.bench                                   # the whole grid, one table
     python -m lit_thresh.bench --head-dims 128 --seq-lens 4096 --dtypes bfloat16 --quick
+    python -m lit_thresh.bench --repeats 3 ...                   # medians and spreads over 3 rounds
     python -m lit_thresh.bench --sweep --no-table --csv sweep.csv  # block configs of each kernel, single
                                                                    # and differential op
 
 Grid: head dim D x sequence length T x dtype, B = tokens / T sequences of H heads, causal. Columns, for
-forward and forward+backward: median ms (triton.testing.do_bench), TFLOP/s of causal attention (forward
+forward and forward+backward: median ms (triton.testing.do_bench; with --repeats, the median over rounds of
+every row of a grid point, interleaved, and the rounds' spread, (max - min) / median), TFLOP/s of causal attention (forward
 2 B H T^2 D, backward 2.5x forward; the differential op counts two maps), `x cudnn` / `x flash` = the SDPA
 backend's time over this row's (above 1: faster than SDPA), and peak extra memory (MiB, outputs and
 gradients included). Rows: SDPA; the single op (beta learnable, so dbeta is computed); the differential op
@@ -55,6 +57,8 @@ class Result:
     fwd_bwd_ms: float = math.nan
     fwd_mib: float = math.nan
     fwd_bwd_mib: float = math.nan
+    fwd_spread: float = math.nan  # (max - min) / median of fwd_ms over --repeats rounds
+    fwd_bwd_spread: float = math.nan
     maps: int = 1  # attention maps computed (2 for the differential op), for the FLOP count
     note: str = ""
 
@@ -107,9 +111,10 @@ def derived(results: Sequence[Result]) -> list[dict]:
 COLUMNS = [  # (key, header, format)
     ("dtype", "dtype", "{:<8}"), ("head_dim", "D", "{:>4}"), ("seq_len", "T", "{:>6}"), ("batch", "B", "{:>3}"),
     ("variant", "variant", "{:<30}"),
-    ("fwd_ms", "fwd ms", "{:>8.3f}"), ("fwd_tflops", "TFLOP/s", "{:>8.1f}"), ("fwd_x_cudnn", "x cudnn", "{:>7.2f}"),
+    ("fwd_ms", "fwd ms", "{:>8.3f}"), ("fwd_spread", "spread", "{:>6.1%}"), ("fwd_tflops", "TFLOP/s", "{:>8.1f}"),
+    ("fwd_x_cudnn", "x cudnn", "{:>7.2f}"),
     ("fwd_x_flash", "x flash", "{:>7.2f}"), ("fwd_mib", "MiB", "{:>7.0f}"),
-    ("fwd_bwd_ms", "f+b ms", "{:>8.3f}"), ("fwd_bwd_tflops", "TFLOP/s", "{:>8.1f}"),
+    ("fwd_bwd_ms", "f+b ms", "{:>8.3f}"), ("fwd_bwd_spread", "spread", "{:>6.1%}"), ("fwd_bwd_tflops", "TFLOP/s", "{:>8.1f}"),
     ("fwd_bwd_x_cudnn", "x cudnn", "{:>7.2f}"), ("fwd_bwd_x_flash", "x flash", "{:>7.2f}"), ("fwd_bwd_mib", "MiB", "{:>7.0f}"),
     ("note", "note", "{}"),
 ]
@@ -123,8 +128,8 @@ def _cell(fmt: str, value) -> str:
 
 
 def _header_fmt(fmt: str) -> str:
-    """A number's format without its precision, for strings: '{:>8.3f}' -> '{:>8}'."""
-    return re.sub(r"\.\d+f", "", fmt)
+    """A number's format without its precision, for strings: '{:>8.3f}' -> '{:>8}', '{:>6.1%}' -> '{:>6}'."""
+    return re.sub(r"\.\d+[f%]", "", fmt)
 
 
 def format_table(results: Sequence[Result]) -> str:
@@ -150,6 +155,27 @@ def write_csv(path: str, results: Sequence[Result], host: Sequence[HostResult] =
         writer = csv.DictWriter(f, fieldnames=keys + host_keys, restval="")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def combine_rounds(rounds: Sequence[Sequence[Result]]) -> list[Result]:
+    """One result per row of repeated rounds of the same rows: the median time over the rounds that
+    measured it, its spread ((max - min) / median, where two or more did), the largest memory, and the
+    first failure's note, if a round failed."""
+    out = []
+    for rows in zip(*rounds, strict=True):
+        first = rows[0]
+        if len({(r.variant, r.dtype, r.head_dim, r.seq_len, r.batch) for r in rows}) != 1:
+            raise ValueError(f"rounds must time the same rows in the same order, got {[r.variant for r in rows]}")
+        combined = replace(first, note=next((r.note for r in rows if r.note.startswith("failed")), first.note))
+        for key in ("fwd", "fwd_bwd"):
+            times = [t for t in (getattr(r, f"{key}_ms") for r in rows) if math.isfinite(t)]
+            median = statistics.median(times) if times else math.nan
+            setattr(combined, f"{key}_ms", median)
+            setattr(combined, f"{key}_spread", (max(times) - min(times)) / median if len(times) > 1 else math.nan)
+            mib = [m for m in (getattr(r, f"{key}_mib") for r in rows) if math.isfinite(m)]
+            setattr(combined, f"{key}_mib", max(mib) if mib else math.nan)
+        out.append(combined)
+    return out
 
 
 # ----------------------------------------------------------------------------------------- measuring (CUDA)
@@ -595,6 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fractions of zero weights for the skip_zero rows (none: no such rows; 0: a dense "
                              "map, what skipping costs where there is nothing to skip)")
     parser.add_argument("--quick", action="store_true", help="shorter timing; sparse rows at the longest T only")
+    parser.add_argument("--repeats", type=_positive_int, default=1,
+                        help="rounds of each grid point's rows, interleaved: medians and spreads over them")
     parser.add_argument("--sweep", action="store_true",
                         help="first time block configs of each kernel (the single and the differential op's)")
     parser.add_argument("--no-table", action="store_true", help="skip the grid table (with --sweep: sweep only)")
@@ -637,9 +665,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                     results += swept
                 if args.no_table:
                     continue
-                point = grid_point(DTYPES[name], d, t, b, args.heads, timing)
-                if args.zero_fractions and (not args.quick or t == max(args.seq_lens)):
-                    point += sparse_rows(DTYPES[name], d, t, b, args.heads, args.zero_fractions, timing)
+                rounds = []
+                for _ in range(args.repeats):
+                    rows = grid_point(DTYPES[name], d, t, b, args.heads, timing)
+                    if args.zero_fractions and (not args.quick or t == max(args.seq_lens)):
+                        rows += sparse_rows(DTYPES[name], d, t, b, args.heads, args.zero_fractions, timing)
+                    rounds.append(rows)
+                point = combine_rounds(rounds)
                 print(format_table(point).split("\n", 1)[1], flush=True)  # progress, without the header
                 results += point
     host = [] if args.no_host else host_overhead()

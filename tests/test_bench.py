@@ -45,6 +45,7 @@ def test_restricted_grid():
         (["--head-dims", "300"], r"each D must be in \[1, 256\]"),
         (["--head-dims", "0"], "must be a positive integer"),
         (["--dtypes", "float32"], "invalid choice"),
+        (["--repeats", "0"], "must be a positive integer"),
         (["--zero-fractions", "1.5"], r"each must be in \[0, 1\)"),
         (["--zero-fractions", "1.0"], r"each must be in \[0, 1\)"),
         (["--zero-fractions", "-0.1"], r"each must be in \[0, 1\)"),
@@ -225,3 +226,24 @@ def test_beta_for_zero_fraction_reaches_the_target_and_zero_means_dense(target):
         assert beta == -50.0 and weights_zero < 0.01 and tiles_zero == 0.0
     else:
         assert abs(weights_zero - target) < 0.02
+
+
+def test_repeated_rounds_give_the_median_and_the_spread_of_each_row():
+    """--repeats: each row's median over the rounds that timed it, (max - min) / median, the largest memory,
+    a failed round's note; one round leaves the times as they are and the spread unmeasured."""
+    point = dict(dtype="bfloat16", head_dim=64, seq_len=4096, batch=4, heads=16)
+    rounds = [[Result("sdpa cudnn", **point, fwd_ms=f, fwd_bwd_ms=fb, fwd_mib=m, fwd_bwd_mib=2 * m),
+               Result("threshold p=2", **point, fwd_ms=2 * f, fwd_bwd_ms=math.nan if i == 1 else 3 * fb, note=n)]
+              for i, (f, fb, m, n) in enumerate([(1.0, 4.0, 30.0, "ok"), (1.2, 3.0, 32.0, "failed: OOM"),
+                                                 (0.9, 5.0, math.nan, "ok")])]
+    cudnn, ours = bench.combine_rounds(rounds)
+    assert (cudnn.fwd_ms, cudnn.fwd_bwd_ms, cudnn.fwd_mib, cudnn.fwd_bwd_mib) == (1.0, 4.0, 32.0, 64.0)
+    assert cudnn.fwd_spread == pytest.approx(0.3) and cudnn.fwd_bwd_spread == pytest.approx(0.5)
+    assert ours.fwd_ms == 2.0 and ours.fwd_bwd_ms == 13.5 and ours.fwd_bwd_spread == pytest.approx(3 / 13.5)
+    assert ours.note == "failed: OOM" and cudnn.note == ""
+    table = format_table([cudnn, ours])
+    assert table.splitlines()[0].count("spread") == 2 and " 30.0%" in table.splitlines()[1]
+    (once,) = bench.combine_rounds([rounds[0][:1]])
+    assert once.fwd_ms == 1.0 and math.isnan(once.fwd_spread) and math.isnan(once.fwd_bwd_spread)
+    with pytest.raises(ValueError, match="same rows in the same order"):
+        bench.combine_rounds([rounds[0], rounds[1][::-1]])
