@@ -8,15 +8,16 @@
 
 Grid: head dim D x sequence length T x dtype, B = tokens / T sequences of H heads, causal. Columns, for
 forward and forward+backward: median ms (triton.testing.do_bench; with --repeats, the median over rounds of
-every row of a grid point, interleaved, and the rounds' spread, (max - min) / median), TFLOP/s of causal attention (forward
-2 B H T^2 D, backward 2.5x forward; the differential op counts two maps), `x cudnn` / `x flash` = the SDPA
-backend's time over this row's (above 1: faster than SDPA), and peak extra memory (MiB, outputs and
-gradients included). Rows: SDPA; the single op (beta learnable, so dbeta is computed); the differential op
-fused (when lit_thresh.ops has it) and as two single calls; and rows on sparse maps: unit-norm q, k drawn
-around one direction per 512-position segment, beta set so that a measured 50 / 90 / 99% of the causal
-weights are zero (`--zero-fractions`; 0 gives a dense map, where skipping can only cost), launched with
-skip_zero off and on (the measured zero fraction of weights and of 64x64 tiles is printed). Host overhead: host time per call on tiny inputs, with no synchronisation in the loop,
-and again with the op's Triton launches stubbed out (our Python alone; the difference is Triton's launcher).
+every row of a grid point, interleaved, and the rounds' spread, (max - min) / median), TFLOP/s of causal
+attention (forward 2 B H T^2 D, backward 2.5x forward; the differential op counts two maps), `x cudnn` /
+`x flash` = the SDPA backend's time over this row's (above 1: faster than SDPA), and peak extra memory (MiB,
+outputs and gradients included). Rows: SDPA; the single op (beta learnable, so dbeta is computed); the
+differential op fused (when lit_thresh.ops has it) and as two single calls; and rows on sparse maps:
+unit-norm q, k drawn around one direction per 512-position segment, beta set so that a measured 50 / 90 /
+99% of the causal weights are zero (`--zero-fractions`; 0 gives a dense map, where skipping can only cost),
+launched with skip_zero off and on (the measured zero fraction of weights and of 64x64 tiles is printed).
+Host overhead: host time per call on tiny inputs, with no synchronisation in the loop, and again with the
+op's Triton launches stubbed out (our Python alone; the difference is Triton's launcher).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ COLUMNS = [  # (key, header, format)
     ("fwd_ms", "fwd ms", "{:>8.3f}"), ("fwd_spread", "spread", "{:>6.1%}"), ("fwd_tflops", "TFLOP/s", "{:>8.1f}"),
     ("fwd_x_cudnn", "x cudnn", "{:>7.2f}"),
     ("fwd_x_flash", "x flash", "{:>7.2f}"), ("fwd_mib", "MiB", "{:>7.0f}"),
-    ("fwd_bwd_ms", "f+b ms", "{:>8.3f}"), ("fwd_bwd_spread", "spread", "{:>6.1%}"), ("fwd_bwd_tflops", "TFLOP/s", "{:>8.1f}"),
+    ("fwd_bwd_ms", "f+b ms", "{:>8.3f}"), ("fwd_bwd_spread", "spread", "{:>6.1%}"),
+    ("fwd_bwd_tflops", "TFLOP/s", "{:>8.1f}"),
     ("fwd_bwd_x_cudnn", "x cudnn", "{:>7.2f}"), ("fwd_bwd_x_flash", "x flash", "{:>7.2f}"), ("fwd_bwd_mib", "MiB", "{:>7.0f}"),
     ("note", "note", "{}"),
 ]
@@ -273,8 +275,11 @@ def _scores(q: torch.Tensor, k: torch.Tensor, beta: float, rows: torch.Tensor) -
 
 
 def beta_for_zero_fraction(q: torch.Tensor, k: torch.Tensor, target: float) -> float:
-    """The beta at which `target` of the causal weights of head (0, 0) are zero, by bisection on sampled rows;
-    for 0, the bisection's floor, -50: with unit-norm q and k every weight past the first position is > 0."""
+    """The beta at which `target` of the causal weights of head (0, 0) are zero, by bisection on sampled rows.
+    For 0 (unit-norm q and k, so scores >= -1): -1 / gain(position 1), the largest beta that keeps every weight
+    past the first position > 0, so the weights stay moderate (<= (1 + sqrt(log2 T))^2)."""
+    if target == 0.0:
+        return -1.0 / math.sqrt(2.0 * math.log(2.0) / q.shape[-1])
     t = q.shape[2]
     rows = torch.arange(0, t, max(1, t // 512), device=q.device)
     x = _scores(q[0, 0], k[0, 0], 0.0, rows)
