@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
-from triton import knobs
 
 Backend = Literal["auto", "triton", "torch"]
 
@@ -13,9 +13,8 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def triton_interpreting() -> bool:
-    """True when Triton runs kernels on CPU tensors through its interpreter: TRITON_INTERPRET as Triton's own
-    knob reads it at each call (1, true, on, ...), cheaper per call than os.environ.get of a missing key."""
-    return knobs.runtime.interpret
+    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def resolve_backend(backend: Backend, q: torch.Tensor) -> Literal["triton", "torch"]:
