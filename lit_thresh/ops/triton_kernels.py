@@ -127,6 +127,15 @@ def _any_live(x):
 
 
 @triton.jit
+def _runs_plain(count, tiles):
+    """Whether a skip_zero row whose list holds `count` of its `tiles` tiles runs the plain loop over all of
+    them: at 7/8 or more listed. A listed tile costs more than a plain one (its index is loaded first), and
+    the tiles left out add exact zeros (finite v), so a row of random map with one tile in a hundred all
+    zero is not worth listing (lit_thresh/ops/PERF.md v13)."""
+    return count * 8 >= tiles * 7
+
+
+@triton.jit
 def _max_keep_nan(a, b):
     """max(a, b), NaN if either is (tl.max drops NaN)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -524,11 +533,11 @@ def _bwd_dkv_inner(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Over query tiles [lo, hi); SKIP_ZERO: instead only the count query tiles listed (ascending tile
-    indices) at lut, decided before any load, unless that is every tile (the plain loop is faster); both
-    loops at the top level, as in _bwd_dq_inner."""
+    indices) at lut, decided before any load, unless that is nearly every tile (_runs_plain); both loops
+    at the top level, as in _bwd_dq_inner."""
     plain_hi = hi
     if SKIP_ZERO:
-        full = count >= tl.cdiv(hi - lo, BLOCK_M)
+        full = _runs_plain(count, tl.cdiv(hi - lo, BLOCK_M))
         for i in range(0, tl.where(full, 0, count)):
             start_m = tl.multiple_of(tl.load(lut + i) * BLOCK_M, BLOCK_M)
             dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
@@ -689,12 +698,12 @@ def _bwd_dq_inner(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Over key tiles [lo, hi); scale: a scalar or (BLOCK_M, 1) row scales. SKIP_ZERO: instead only the
-    count key tiles listed (ascending tile indices) at lut, decided before any load, unless that is every
-    tile (the plain loop is faster). Both loops sit at the top level, one of them with no trips, not one
-    in each branch of an if (lit_thresh/ops/PERF.md v12)."""
+    count key tiles listed (ascending tile indices) at lut, decided before any load, unless that is nearly
+    every tile (_runs_plain). Both loops sit at the top level, one of them with no trips, not one in each
+    branch of an if (lit_thresh/ops/PERF.md v12)."""
     plain_hi = hi
     if SKIP_ZERO:
-        full = count >= tl.cdiv(hi - lo, BLOCK_N)
+        full = _runs_plain(count, tl.cdiv(hi - lo, BLOCK_N))
         for i in range(0, tl.where(full, 0, count)):
             start_n = tl.multiple_of(tl.load(lut + i) * BLOCK_N, BLOCK_N)
             dq, ds_sum = _bwd_dq_tile(dq, ds_sum, q, do, tau, ds_mul, pos, k_src, v_src, b, hk, stride_kt,

@@ -29,9 +29,9 @@ class BlockConfig:
     """Tile sizes and launch settings of one kernel. skip_zero, exact either way: in the backward kernels,
     the unmasked loop runs over a list of the tiles whose rectified scores may be nonzero (tile_lists),
     loads included, from the map the forward wrote (or a QK^T pre-pass, live_tiles, without one); a row
-    whose list holds every tile runs the plain loop. In the forward, every tile runs and the kernel writes
-    that map. The differential op's kernels check each tile in their loop instead. Measured on one H200:
-    lit_thresh/ops/PERF.md (v7).
+    whose list holds at least 7/8 of its tiles runs the plain loop over all of them. In the forward, every
+    tile runs and the kernel writes that map. The differential op's kernels check each tile in their loop
+    instead. Measured on one H200: lit_thresh/ops/PERF.md (v7, v13).
     tma: read the inputs through TMA tensor descriptors where their layout allows it (unit last stride,
     16-byte aligned base and strides, tile rows of at most 256 bytes), else through pointers."""
 

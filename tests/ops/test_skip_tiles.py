@@ -122,6 +122,32 @@ def test_the_backward_skips_what_its_map_leaves_out(device):
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_row_listing_seven_eighths_of_its_tiles_runs_them_all(device):
+    """A backward row whose list holds >= 7/8 of its unmasked tiles runs the plain loop over every tile
+    (_runs_plain): given a dense map with one live tile marked dead in a row of 9, both kernels still run it
+    (bit for bit as skip off); with two marked dead in that row, the dQ kernel's row of 9 skips them (7 < 7/8 of
+    9) while the dK/dV kernel's rows, each still at 8 of 9 or 7 of 8, do not."""
+    gen = generator("skip-nearly-full", device)
+    t, d = 10 * BLOCK, 16
+    q, k, v, dout = (randn(gen, 1, 1, t, d, device=device) for _ in range(4))
+    beta = torch.tensor([-0.5], device=device)  # every causal weight > 0: no tile is all zero
+    cfgs = _configs(True, BLOCK, False)
+    off = triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, _configs(False, BLOCK, False))
+    live = triton_forward(q, k, v, beta, 2.0, 1.0, cfgs)[1]  # (1, 10, 10)
+    below = torch.ones(10, 10, dtype=torch.bool, device=device).tril(-1)
+    assert live[0][below].all(), "a dense map marks every tile below the diagonal"
+    one, two = live.clone(), live.clone()
+    one[0, 9, 0] = 0  # query tile 9 lists 8 of its 9 key tiles; key tile 0 lists 8 of its 9 query tiles
+    two[0, 9, :2] = 0  # query tile 9: 7 of 9; key tile 0: 8 of 9; key tile 1: 7 of 8
+    got = triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=one)
+    assert all(torch.equal(a, b) for a, b in zip(got, off))
+    dq, dk, dv, _ = triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, cfgs, live=two)
+    last = slice(9 * BLOCK, t)
+    assert torch.equal(dk, off[1]) and torch.equal(dv, off[2]) and torch.equal(dq[..., : 9 * BLOCK, :], off[0][..., : 9 * BLOCK, :])
+    assert not torch.equal(dq[..., last, :], off[0][..., last, :]), "two dead tiles of nine: the row runs its list"
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_an_inf_in_q_keeps_every_tile(device):
     """A query tile whose rows are inf along one axis scores -inf (weight 0) on keys pointing away from
     it, but its gradient into those keys is 0 * inf = NaN: with an inf in q or k nothing is skipped, so
