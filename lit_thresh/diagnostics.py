@@ -5,9 +5,9 @@ Per layer l and head h, measured on a small fixed validation batch (tags under `
 - ``head{h}/zero_frac``: fraction of exact zeros among the causal weights (keys j <= query i): the
   sparsity of threshold attention; about 0 for softmax, whose weights are positive unless they underflow.
 - ``head{h}/zero_tile_frac``: fraction of the 64 x 64 tiles wholly below the diagonal whose weights are all
-  exact zeros: the share of the backward's off-diagonal work that ``skip_zero`` (docs/ops.md) would skip at
-  64 x 64 tiles. Only for sequences of more than 64 positions; the zeros of a map can be many while its
-  all-zero tiles are few.
+  exact zeros: at most the share of the backward's off-diagonal work that ``skip_zero`` (docs/ops.md) skips
+  at 64 x 64 tiles (a row with >= 7/8 of its tiles live runs them all; the kernels' tiles vary). Only for
+  sequences of more than 64 positions; the zeros of a map can be many while its all-zero tiles are few.
 - ``head{h}/sink_mass``: share of a query's total |weight| that falls on the first token, averaged over
   the queries at positions >= 1 that attend to something (position 0 sees only key 0 under every map,
   so it would add the same 1 to every variant; NaN when no query of the head attends anything).

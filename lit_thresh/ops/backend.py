@@ -12,9 +12,14 @@ Backend = Literal["auto", "triton", "torch"]
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# the values Triton reads a boolean variable as true (case aside), as its knobs.runtime.interpret does
+_TRUE_VALUES = ("1", "true", "on", "yes", "y")
+
+
 def triton_interpreting() -> bool:
-    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1, or true, on,
+    yes, y, in any case: what Triton itself accepts). Reads os.environ, which torch.compile can trace."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE_VALUES
 
 
 def resolve_backend(backend: Backend, q: torch.Tensor) -> Literal["triton", "torch"]:

@@ -572,7 +572,7 @@ def threshold_bwd_dkv_kernel(
     dS^T scaled into fp16's range by a power of two per key, from the query and dO row norms ROW_NORMS
     (B * HKV * GROUP, 2, TQ) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1): per-tile scaling instead.
     SKIP_ZERO: the unmasked loop visits only the query tiles listed in LUT (a row of cdiv(TQ, BLOCK_M) per
-    (batch, query head, key tile); COUNTS: how many). USE_TMA: Q, K, V, dO are tensor descriptors."""
+    (batch, query head, key tile); COUNTS: how many), or all of them where >= 7/8 are listed (_runs_plain). USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -736,8 +736,8 @@ def threshold_bwd_dq_kernel(
     -gain_i * sum_j dS_ij into DBETA_ROWS (B * H, TQ), summed on the host. Grid (cdiv(TQ, BLOCK_M), B * H).
     ROW_SCALE (fp16, p >= 1): dS rows scaled into fp16's range by a power of two per row, from the key and
     value norms ROW_NORMS (B * H / GROUP, 2, TK) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1):
-    per-tile scaling instead. SKIP_ZERO: the unmasked loop visits only the key tiles
-    listed in LUT (a row of cdiv(TK, BLOCK_N) per (batch, head, query tile); COUNTS: how many).
+    per-tile scaling instead. SKIP_ZERO: the unmasked loop visits only the key tiles listed in LUT (a row of
+    cdiv(TK, BLOCK_N) per (batch, head, query tile); COUNTS: how many), or all of them where >= 7/8 are listed.
     USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)

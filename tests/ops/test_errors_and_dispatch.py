@@ -9,9 +9,10 @@ import textwrap
 
 import pytest
 import torch
+import triton
 
 from lit_thresh.ops import api, differential_threshold_rela_triton, threshold_attention, threshold_rela_triton
-from lit_thresh.ops.backend import resolve_backend
+from lit_thresh.ops.backend import resolve_backend, triton_interpreting
 from tests.ops.helpers import KERNEL_POINTER_TYPES, generator, randn
 
 
@@ -135,6 +136,14 @@ def test_dispatch_branches(monkeypatch):
     assert resolve_backend("auto", cpu32) == "torch"  # plain CPU training: blockwise PyTorch
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         resolve_backend("triton", cpu32)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "Yes", "y", "0", "false", "off", "2", ""])
+def test_interpreting_reads_triton_interpret_as_triton_does(monkeypatch, value):
+    """The backend agrees with Triton on whether TRITON_INTERPRET is on: else CPU tensors would go to kernels
+    Triton compiles for a GPU, or to the PyTorch path while Triton interprets."""
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_interpreting() is bool(triton.knobs.runtime.interpret)
 
 
 @pytest.mark.gpu
