@@ -1,21 +1,18 @@
 """`python -m lit_thresh.generate` on a tiny text run, and decoding past a learned-position window."""
 
 import os
-import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lit_thresh.attention import ThresholdAttention
-from lit_thresh.cli import main
 from lit_thresh.generate import SEPARATOR
 from lit_thresh.generate import main as generate_main
 from lit_thresh.model import Transformer, TransformerConfig
+from tests.tiny_runs import fit_tiny_text_run
 
-CONFIGS = Path(__file__).parents[1] / "configs"
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
 
 
@@ -35,20 +32,8 @@ def test_greedy_decoding_past_max_seq_len_matches_a_sliding_full_recompute():
 
 @pytest.mark.slow
 def test_generate_entry_samples_from_a_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    rng = random.Random(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question"]
-    (tmp_path / "input.txt").write_text("\n".join(" ".join(rng.choices(words, k=10)) for _ in range(300)))
-    main([
-        "fit", "--config", str(CONFIGS / "text" / "shakespeare_char_threshold.yaml"),
-        "--data.data_files=input.txt", "--data.block_size=16", "--data.batch_size=4", "--data.val_samples=8",
-        "--model.config.n_layers=1", "--model.config.d_model=24", "--model.config.n_heads=2",
-        "--trainer.accelerator=cpu", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-    ])
-    run = next(tmp_path.glob("lightning_logs/*/version_0"))
+    run = fit_tiny_text_run(tmp_path, monkeypatch, "--data.block_size=16", "--data.batch_size=4",
+                            "--data.val_samples=8", "--model.config.n_layers=1")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-m", "lit_thresh.generate", f"--run_config={run / 'config.yaml'}",

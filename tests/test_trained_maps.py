@@ -4,23 +4,20 @@ import csv
 import functools
 import math
 import os
-import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lit_thresh.attention import SoftmaxAttention, ThresholdAttention
 from lit_thresh.attention.threshold import ThresholdMap
-from lit_thresh.cli import main
 from lit_thresh.model import Transformer, TransformerConfig
 from lit_thresh.ops import threshold_attention
 from lit_thresh.trained_maps import LayerResult, capture_op_inputs, format_table, measure_layer, write_csv
 from lit_thresh.trained_maps import main as trained_maps_main
+from tests.tiny_runs import fit_tiny_text_run
 
-CONFIGS = Path(__file__).parents[1] / "configs"
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
 
 
@@ -95,20 +92,9 @@ def test_measure_layer_times_both_settings_on_a_gpu():
 
 @pytest.mark.slow
 def test_the_command_on_a_tiny_trained_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    rng = random.Random(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question"]
-    (tmp_path / "input.txt").write_text("\n".join(" ".join(rng.choices(words, k=10)) for _ in range(300)))
-    main([
-        "fit", "--config", str(CONFIGS / "text" / "shakespeare_char_threshold.yaml"),
-        "--data.data_files=input.txt", "--data.block_size=80", "--data.batch_size=2", "--data.val_samples=4",
-        "--model.config.n_layers=2", "--model.config.d_model=24", "--model.config.n_heads=2",
-        "--model.config.attention.init_args.qk_norm=true", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
-        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-    ])
-    run = next(tmp_path.glob("lightning_logs/*/version_0"))
+    run = fit_tiny_text_run(tmp_path, monkeypatch, "--data.block_size=80", "--data.batch_size=2",
+                            "--data.val_samples=4", "--model.config.n_layers=2",
+                            "--model.config.attention.init_args.qk_norm=true")
     ckpt = run / "checkpoints" / "last.ckpt"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
