@@ -130,7 +130,7 @@ def _any_live(x):
 def _runs_plain(count, tiles):
     """Whether a skip_zero row whose list holds `count` of its `tiles` tiles runs the plain loop over all of
     them: at 7/8 or more listed. A listed tile costs more than a plain one (its index is loaded first), and
-    the tiles left out add exact zeros (finite v), so a row of random map with one tile in a hundred all
+    the tiles left out add exact zeros (finite v), so a row of a random map with one tile in a hundred all
     zero is not worth listing (lit_thresh/ops/PERF.md v13)."""
     return count * 8 >= tiles * 7
 
@@ -572,7 +572,8 @@ def threshold_bwd_dkv_kernel(
     dS^T scaled into fp16's range by a power of two per key, from the query and dO row norms ROW_NORMS
     (B * HKV * GROUP, 2, TQ) fp32 (unused otherwise); FP16_RANGE (fp16, p < 1): per-tile scaling instead.
     SKIP_ZERO: the unmasked loop visits only the query tiles listed in LUT (a row of cdiv(TQ, BLOCK_M) per
-    (batch, query head, key tile); COUNTS: how many), or all of them where >= 7/8 are listed (_runs_plain). USE_TMA: Q, K, V, dO are tensor descriptors."""
+    (batch, query head, key tile); COUNTS: how many), or all of them where >= 7/8 are listed (_runs_plain).
+    USE_TMA: Q, K, V, dO are tensor descriptors."""
     scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
