@@ -211,7 +211,7 @@ def _margin(q: torch.Tensor, k: torch.Tensor, scale: float, k_norms: torch.Tenso
     the caller has them already (the fp16 forward), not computed again."""
     k_norms = stacked_row_norms(k) if k_norms is None else k_norms
     margin = stacked_row_norms(q).amax() * k_norms.amax() * (1e-2 * abs(scale))
-    return torch.where(margin.isfinite(), margin, torch.nan).reshape(1)
+    return (margin + margin * 0.0).reshape(1)  # inf * 0 = NaN: a bound past fp32's range becomes NaN
 
 
 def _map_shape(q: torch.Tensor, k: torch.Tensor, grain: tuple[int, int]) -> tuple[int, int, int]:
@@ -292,7 +292,7 @@ def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq:
     lists = torch.empty(heads * rows, length, device=live.device, dtype=torch.int32)  # (B * Hq * rows, length)
     counts = torch.empty(heads * rows, device=live.device, dtype=torch.int32)  # (B * Hq * rows,)
     if lists.numel():
-        block = min(1024, max(16, triton.next_power_of_2(length)))
+        block = min(1024, max(16, 1 << (length - 1).bit_length()))  # the next power of 2, in plain ints
         _LISTS((rows, heads), (live, lists, counts), (*strides, *dims, rows, length, tq, tk),
                _lists_meta(*tiles, by_key, block))
     return lists, counts
