@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 from jsonargparse import auto_cli
-from lightning.pytorch import seed_everything
+from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
 
 from lit_thresh.cli import build_cli
 from lit_thresh.cli_errors import Parser, exit_on_input_error
@@ -76,6 +76,19 @@ def quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
+def load_run(run_config: Path, ckpt_path: Path, *args: str) -> tuple[LightningModule, LightningDataModule]:
+    """The LightningModule of a run's saved config with the weights of one of its checkpoints, and its DataModule
+    (not set up); args: more options for the config (e.g. "--model.compile=false")."""
+    checkpoint = read_checkpoint(ckpt_path)
+    config = read_run_config(run_config)
+    with quiet():
+        cli = build_cli([f"--config={yaml.safe_dump(config)}", "--trainer.logger=false", *args], run=False)
+    model, data = cli.model, cli.datamodule
+    check_state_dict(str(ckpt_path), checkpoint, model)
+    model.load_state_dict(checkpoint["state_dict"])
+    return model, data
+
+
 def generate(
     run_config: Path,
     ckpt_path: Path,
@@ -99,13 +112,7 @@ def generate(
         seed: the sampling seed.
     """
     check_sampling(prompt, max_new_tokens, temperature, top_k, num_samples)
-    checkpoint = read_checkpoint(ckpt_path)
-    config = read_run_config(run_config)
-    with quiet():
-        cli = build_cli([f"--config={yaml.safe_dump(config)}", "--trainer.logger=false"], run=False)
-    model, data = cli.model, cli.datamodule
-    check_state_dict(str(ckpt_path), checkpoint, model)
-    model.load_state_dict(checkpoint["state_dict"])
+    model, data = load_run(run_config, ckpt_path)
     try:
         prompt_ids = data.encode(prompt)
     except ValueError as err:

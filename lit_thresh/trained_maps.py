@@ -24,18 +24,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from jsonargparse import auto_cli
 from torch import nn
 
 from lit_thresh.attention.threshold import ThresholdAttention, ThresholdMap
-from lit_thresh.cli import build_cli
 from lit_thresh.cli_errors import Parser, exit_on_input_error
 from lit_thresh.diagnostics import zero_fraction, zero_tile_fraction
-from lit_thresh.generate import quiet, read_run_config
+from lit_thresh.generate import load_run
 from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.reference import threshold_attention_weights
-from lit_thresh.resume import check_state_dict, read_checkpoint
 
 PROG = "lit_thresh.trained_maps"
 
@@ -169,14 +166,7 @@ def trained_maps(run_config: Path, ckpt_path: Path, rounds: int = 3, csv_path: P
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    checkpoint = read_checkpoint(ckpt_path)
-    config = read_run_config(run_config)
-    with quiet():
-        cli = build_cli([f"--config={yaml.safe_dump(config)}", "--trainer.logger=false", "--model.compile=false"],
-                        run=False)
-    module, data = cli.model, cli.datamodule
-    check_state_dict(str(ckpt_path), checkpoint, module)
-    module.load_state_dict(checkpoint["state_dict"])
+    module, data = load_run(run_config, ckpt_path, "--model.compile=false")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     model = module.model.to(device).eval()
