@@ -159,6 +159,15 @@ def write_csv(path: str, results: Sequence[Result], host: Sequence[HostResult] =
         writer.writerows(rows)
 
 
+def median_spread(times: Sequence[float]) -> tuple[float, float]:
+    """The median of repeated timings and their spread, (max - min) / median; NaN where undefined (no
+    timing; a spread needs two)."""
+    if not times:
+        return math.nan, math.nan
+    median = statistics.median(times)
+    return median, (max(times) - min(times)) / median if len(times) > 1 else math.nan
+
+
 def combine_rounds(rounds: Sequence[Sequence[Result]]) -> list[Result]:
     """One result per row of repeated rounds of the same rows: the median time over the rounds that
     measured it, its spread ((max - min) / median, where two or more did), the largest memory, and the
@@ -170,10 +179,9 @@ def combine_rounds(rounds: Sequence[Sequence[Result]]) -> list[Result]:
             raise ValueError(f"rounds must time the same rows in the same order, got {[r.variant for r in rows]}")
         combined = replace(first, note=next((r.note for r in rows if r.note.startswith("failed")), first.note))
         for key in ("fwd", "fwd_bwd"):
-            times = [t for t in (getattr(r, f"{key}_ms") for r in rows) if math.isfinite(t)]
-            median = statistics.median(times) if times else math.nan
+            median, spread = median_spread([t for t in (getattr(r, f"{key}_ms") for r in rows) if math.isfinite(t)])
             setattr(combined, f"{key}_ms", median)
-            setattr(combined, f"{key}_spread", (max(times) - min(times)) / median if len(times) > 1 else math.nan)
+            setattr(combined, f"{key}_spread", spread)
             mib = [m for m in (getattr(r, f"{key}_mib") for r in rows) if math.isfinite(m)]
             setattr(combined, f"{key}_mib", max(mib) if mib else math.nan)
         out.append(combined)

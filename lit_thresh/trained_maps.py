@@ -1,7 +1,8 @@
 """skip_zero on a trained threshold model's own attention maps: does it pay on this model?
 
     python -m lit_thresh.trained_maps \\
-        --run_config RUN/config.yaml --ckpt_path RUN/checkpoints/best.ckpt [--rounds 3] [--csv_path maps.csv]
+        --run_config RUN/config.yaml --ckpt_path RUN/checkpoints/best.ckpt [--rounds 3] [--csv_path maps.csv] \\
+        [--batch_size 32] [--cuda_graphs true]
 
 The run's saved config rebuilds the model and its DataModule (as lit_thresh.generate); the checkpoint gives the
 weights. The first validation batch runs through the model in eval mode (bf16 autocast on a GPU), and each
@@ -10,15 +11,15 @@ recorded. Per layer: the fraction of exact zeros among the causal weights, the f
 tiles below the diagonal (lit_thresh.diagnostics), whether skip_zero on and off give the same output and
 gradients bit for bit, and on CUDA the op's forward+backward time with skip_zero off and on (the median of
 `rounds` interleaved `triton.testing.do_bench` calls, and their spread, (max - min) / median). The calls are
-eager, so at small sizes host time is part of what is timed (lit_thresh/ops/PERF.md v13). Bad input ends with
-one line, ``lit_thresh.trained_maps: error: <message>``.
+eager, so at small sizes host time is part of what is timed (lit_thresh/ops/PERF.md v13); `--cuda_graphs true`
+times replays of CUDA graphs instead, and `--batch_size` takes a larger batch. Bad input ends with one line,
+``lit_thresh.trained_maps: error: <message>``.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from jsonargparse import auto_cli
 from torch import nn
 
 from lit_thresh.attention.threshold import ThresholdAttention, ThresholdMap
+from lit_thresh.bench import median_spread
 from lit_thresh.cli_errors import Parser, exit_on_input_error
 from lit_thresh.diagnostics import zero_fraction, zero_tile_fraction
 from lit_thresh.generate import load_run
@@ -124,14 +126,13 @@ def measure_layer(layer: int, inputs: OpInputs, rounds: int = 3,
     for _ in range(rounds):
         for skip in (False, True):
             times[skip].append(bench(steps[skip]))
-    result.off_ms, result.off_spread = _median_spread(times[False])
-    result.on_ms, result.on_spread = _median_spread(times[True])
+    result.off_ms, result.off_spread = median_spread(times[False])
+    result.on_ms, result.on_spread = median_spread(times[True])
     return result
 
 
-def _median_spread(values: list[float]) -> tuple[float, float]:
-    median = statistics.median(values)
-    return median, (max(values) - min(values)) / median
+def _spread(spread: float) -> str:
+    return "" if math.isnan(spread) else f" ({spread:.1%})"
 
 
 def format_table(results: list[LayerResult]) -> str:
@@ -140,8 +141,8 @@ def format_table(results: list[LayerResult]) -> str:
              "off / on | same bit for bit |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         timed = not math.isnan(r.off_ms)
-        times = (f"{r.off_ms:.4f} ({r.off_spread:.1%}) | {r.on_ms:.4f} ({r.on_spread:.1%}) | {r.off_ms / r.on_ms:.2f}x"
-                 if timed else "- | - | -")
+        times = (f"{r.off_ms:.4f}{_spread(r.off_spread)} | {r.on_ms:.4f}{_spread(r.on_spread)} | "
+                 f"{r.off_ms / r.on_ms:.2f}x" if timed else "- | - | -")
         lines.append(f"| {r.layer} | {r.shape} | {r.zero_frac:.4f} | {r.zero_tile_frac:.3f} | {times} | "
                      f"{'yes' if r.same else 'NO'} |")
     return "\n".join(lines)
@@ -154,7 +155,8 @@ def write_csv(path: Path, results: list[LayerResult]) -> None:
         writer.writerows(asdict(r) for r in results)
 
 
-def trained_maps(run_config: Path, ckpt_path: Path, rounds: int = 3, csv_path: Path | None = None) -> list[LayerResult]:
+def trained_maps(run_config: Path, ckpt_path: Path, rounds: int = 3, csv_path: Path | None = None,
+                 batch_size: int | None = None, cuda_graphs: bool = False) -> list[LayerResult]:
     """Prints and returns, per ThresholdAttention layer of a trained run, its map statistics and skip_zero's
     effect on the op's forward+backward time (timed on CUDA only).
 
@@ -163,10 +165,18 @@ def trained_maps(run_config: Path, ckpt_path: Path, rounds: int = 3, csv_path: P
         ckpt_path: one of that run's checkpoints (e.g. its best).
         rounds: interleaved timing rounds per layer and setting (>= 1): medians and spreads over them.
         csv_path: also write the rows as CSV.
+        batch_size: the validation batch's size (default: the run's); larger batches time the kernels
+            rather than the host.
+        cuda_graphs: time each forward+backward replayed from a CUDA graph
+            (`triton.testing.do_bench_cudagraph`), as training with `compile: reduce-overhead` runs it: without
+            the host's time per call.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    module, data = load_run(run_config, ckpt_path, "--model.compile=false")
+    if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size}")
+    overrides = ["--model.compile=false", *([f"--data.init_args.batch_size={batch_size}"] if batch_size else [])]
+    module, data = load_run(run_config, ckpt_path, *overrides)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     model = module.model.to(device).eval()
@@ -176,14 +186,18 @@ def trained_maps(run_config: Path, ckpt_path: Path, rounds: int = 3, csv_path: P
         captured = capture_op_inputs(model, idx)
     bench = None
     if cuda:
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
         def bench(fn: Callable[[], object]) -> float:
+            if cuda_graphs:
+                return do_bench_cudagraph(fn, rep=100, return_mode="median")
             return do_bench(fn, warmup=25, rep=100)
 
     results = [measure_layer(i, inputs, rounds, bench) for i, inputs in enumerate(captured)]
     print(format_table(results))
-    if not cuda:
+    if cuda:
+        print(f"(forward+backward of each layer's op, {'replayed CUDA graphs' if cuda_graphs else 'eager calls'})")
+    else:
         print("(no CUDA device: statistics only, not timed)")
     if csv_path is not None:
         write_csv(csv_path, results)

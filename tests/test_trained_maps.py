@@ -79,14 +79,20 @@ def test_measure_layer_statistics_agreement_and_interleaved_timing(tmp_path):
 
 
 @pytest.mark.gpu
-def test_measure_layer_times_both_settings_on_a_gpu():
-    from triton.testing import do_bench
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_measure_layer_times_both_settings_on_a_gpu(cuda_graphs):
+    """Eager calls and replayed CUDA graphs (the skip_zero map and lists made inside the graph) both time."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
     model = _model(qk_norm=True, beta=3.0).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         inputs = capture_op_inputs(model, torch.randint(0, 41, (4, 80), device="cuda"))[0]
     assert inputs.q.dtype == torch.bfloat16
-    result = measure_layer(0, inputs, rounds=2, bench=lambda fn: do_bench(fn, warmup=5, rep=10))
+
+    def bench(fn):
+        return do_bench_cudagraph(fn, rep=10, return_mode="median") if cuda_graphs else do_bench(fn, warmup=5, rep=10)
+
+    result = measure_layer(0, inputs, rounds=2, bench=bench)
     assert result.same and result.off_ms > 0 and result.on_ms > 0
 
 
@@ -99,13 +105,13 @@ def test_the_command_on_a_tiny_trained_run(tmp_path, monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-m", "lit_thresh.trained_maps", f"--run_config={run / 'config.yaml'}", f"--ckpt_path={ckpt}",
-         "--csv_path=maps.csv"],
+         "--csv_path=maps.csv", "--batch_size=3"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 2 and all(row.endswith("| yes |") for row in rows)
-    assert "(2, 2, 80, 12)" in rows[0] and "no CUDA device" in result.stdout
+    assert "(3, 2, 80, 12)" in rows[0] and "no CUDA device" in result.stdout
     assert len(list(csv.DictReader((tmp_path / "maps.csv").open()))) == 2
 
     def error(*args: str) -> str:
@@ -116,4 +122,5 @@ def test_the_command_on_a_tiny_trained_run(tmp_path, monkeypatch):
         return message
 
     assert "rounds must be >= 1, got 0" in error(f"--ckpt_path={ckpt}", "--rounds=0")
+    assert "batch_size must be an int >= 1, got 0" in error(f"--ckpt_path={ckpt}", "--batch_size=0")
     assert "no such checkpoint file" in error("--ckpt_path=missing.ckpt")
