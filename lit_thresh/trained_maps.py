@@ -169,13 +169,15 @@ def trained_maps(run_config: Path, ckpt_path: Path, rounds: int = 3, csv_path: P
             rather than the host.
         cuda_graphs: time each forward+backward replayed from a CUDA graph
             (`triton.testing.do_bench_cudagraph`), as training with `compile: reduce-overhead` runs it: without
-            the host's time per call.
+            the host's time per call (and without the L2 flush that eager `do_bench` does before each call).
+            The bit-for-bit comparison runs on eager calls either way.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size}")
-    overrides = ["--model.compile=false", *([f"--data.init_args.batch_size={batch_size}"] if batch_size else [])]
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    overrides = ["--model.compile=false",
+                 *([] if batch_size is None else [f"--data.init_args.batch_size={batch_size}"])]
     module, data = load_run(run_config, ckpt_path, *overrides)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -247,3 +247,11 @@ def test_repeated_rounds_give_the_median_and_the_spread_of_each_row():
     assert once.fwd_ms == 1.0 and math.isnan(once.fwd_spread) and math.isnan(once.fwd_bwd_spread)
     with pytest.raises(ValueError, match="same rows in the same order"):
         bench.combine_rounds([rounds[0], rounds[1][::-1]])
+
+
+def test_median_spread_of_repeated_timings():
+    """The median and (max - min) / median; NaN where undefined: no timing, or one (a spread needs two)."""
+    assert bench.median_spread([2.0, 1.0, 4.0]) == (2.0, 1.5)
+    median, spread = bench.median_spread([3.0])
+    assert median == 3.0 and math.isnan(spread)
+    assert all(math.isnan(x) for x in bench.median_spread([]))

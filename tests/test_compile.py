@@ -75,10 +75,10 @@ def test_compile_reduce_overhead_triton_cuda():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
-def _steps_in_cuda_graphs(skip_zero: bool, steps: int = 3) -> list[list[torch.Tensor]]:
-    """Per training step of the model compiled with CUDA graphs (reduce-overhead, bf16 autocast; beta 0.8,
-    T = 199: at step 0, 56-69% of the 64 x 64 tiles below the diagonal are all zero): [loss, *gradients].
-    One graph, no graph break."""
+def _steps_in_cuda_graphs(skip_zero: bool, steps: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Per training step (no optimizer step) of the model compiled with CUDA graphs (reduce-overhead, bf16
+    autocast; beta 0.8, T = 199: at step 0, 56-69% of the 64 x 64 tiles below the diagonal are all zero): the
+    loss and every parameter's gradient. One graph, no graph break."""
     torch._dynamo.reset()
     counters.clear()
     model = _model("cuda", beta=0.8, skip_zero=skip_zero, max_seq_len=256)
@@ -89,18 +89,33 @@ def _steps_in_cuda_graphs(skip_zero: bool, steps: int = 3) -> list[list[torch.Te
         torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = _train_step(compiled, _batch(step, "cuda", 200))
-        steps_out.append([loss.clone(), *(p.grad.clone() for p in model.parameters())])  # replays overwrite them
+        # cloned: the next replay overwrites the graph's outputs
+        steps_out.append({"loss": loss.clone()} | {name: p.grad.clone() for name, p in model.named_parameters()})
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     return steps_out
 
 
 @pytest.mark.gpu
-def test_skip_zero_inside_cuda_graphs_trains_as_without():
+def test_skip_zero_inside_cuda_graphs_gives_the_same_loss_and_gradients(monkeypatch):
     """skip_zero with the op's tile map and work lists made and read inside the replayed CUDA graphs: the op's
     results are the same bit for bit, so three steps' loss and gradients agree with skip_zero off up to the
-    order of atomic adds (the embedding's backward): relative error norms below 1e-5."""
-    off, on = _steps_in_cuda_graphs(False), _steps_in_cuda_graphs(True)
+    order of atomic adds (the embedding's backward): relative error norms below 1e-5. The work lists are built
+    (while the graphs are recorded) with skip_zero only, so the skipping path is the one that ran."""
+    from lit_thresh.ops import triton_launch
+
+    built = []
+
+    def counted(*args, **kwargs):
+        built.append(kwargs.get("by_key"))
+        return tile_lists(*args, **kwargs)
+
+    tile_lists = triton_launch.tile_lists
+    monkeypatch.setattr(triton_launch, "tile_lists", counted)
+    off = _steps_in_cuda_graphs(False)
+    assert not built
+    on = _steps_in_cuda_graphs(True)
+    assert built and set(built) == {True, False}  # the dK/dV and the dQ kernels' lists
     for step, (a, b) in enumerate(zip(off, on, strict=True)):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            error = (x.float() - y.float()).norm() / x.float().norm().clamp_min(1e-12)
-            assert error < 1e-5, f"step {step}, tensor {i} (0: loss): relative error {error:.3g}"
+        for name, x in a.items():
+            error = (x.float() - b[name].float()).norm() / x.float().norm().clamp_min(1e-12)
+            assert error < 1e-5, f"step {step}, {name}: relative error {error:.3g}"

@@ -114,10 +114,9 @@ class ThresholdAttention(Attention):
     scale set the threshold in cosine units (beta / scale times the noise level sqrt(2 ln(i + 1) / Dq)
     of i random unit vectors' cosines); without it, scale = 1 leaves q.k unscaled. skip_zero: the
     backward kernels skip the tiles whose weights are all exactly 0 (the same output and gradients):
-    a faster forward+backward of the op on long sequences whose maps are mostly all-zero tiles when the
-    host's time is out of the way (CUDA graphs: `compile: reduce-overhead`), 0.5-7% slower on denser maps,
-    slower in eager calls of trained maps (lit_thresh.ops.threshold_attention); generation, which runs
-    forwards only, is unchanged.
+    a faster forward+backward of the op on maps that are mostly all-zero tiles, at long T or under CUDA
+    graphs (`compile: reduce-overhead`) at shorter T; 0.5-7% slower on denser maps, and slower in eager calls
+    at T = 256-2048 (lit_thresh.ops.threshold_attention); generation, which runs forwards only, is unchanged.
     """
 
     max_head_dim = MAX_HEAD_DIM  # the ops' limit

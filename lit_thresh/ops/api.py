@@ -106,9 +106,9 @@ def threshold_attention(
     skip_zero: the Triton forward marks the tiles whose weights are all exactly 0 and the backward skips
     them; the same result for finite v (and gradient). For training on long maps with most tiles all
     zero: on an H200 at T = 16384 forward+backward took 0.27-0.31x the time at 99% zero weights, 1.00-1.07x
-    at 0-90%; on a trained char model's maps at T = 2048 0.37-0.89x replayed from CUDA graphs but 1.15-1.48x
-    in eager calls (host time), and at T = 256 eager 1.6-2.2x. A call with no gradient to record runs as
-    without it: lit_thresh/ops/PERF.md v7, v13 and session 18.
+    at 0-90%; on an under-trained char model's maps at T = 2048 0.37-0.89x replayed from CUDA graphs but
+    1.15-1.48x in eager calls (likely host time), and at T = 256 eager 1.6-2.2x. A call with no gradient
+    to record runs as without it: lit_thresh/ops/PERF.md v7, v13 and session 18.
     Returns (B, Hq, Tq, Dv) in the input dtype.
     """
     if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
