@@ -131,6 +131,20 @@ def measure_layer(layer: int, inputs: OpInputs, rounds: int = 3,
     return result
 
 
+def op_timer(cuda_graphs: bool, rep: int = 100) -> Callable[[Callable[[], object]], float]:
+    """The ms of one call of a callable on CUDA, over about `rep` ms of calls: the median replay of a CUDA graph
+    of it (`triton.testing.do_bench_cudagraph`), or `do_bench`'s median of eager calls after rep / 4 ms of
+    warm-up."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    def bench(fn: Callable[[], object]) -> float:
+        if cuda_graphs:
+            return do_bench_cudagraph(fn, rep=rep, return_mode="median")
+        return do_bench(fn, warmup=rep // 4, rep=rep)
+
+    return bench
+
+
 def _spread(spread: float) -> str:
     return "" if math.isnan(spread) else f" ({spread:.1%})"
 
@@ -186,15 +200,7 @@ def trained_maps(run_config: Path, ckpt_path: Path, rounds: int = 3, csv_path: P
     idx = next(iter(data.val_dataloader()))["input_ids"].to(device)  # (B, T)
     with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
         captured = capture_op_inputs(model, idx)
-    bench = None
-    if cuda:
-        from triton.testing import do_bench, do_bench_cudagraph
-
-        def bench(fn: Callable[[], object]) -> float:
-            if cuda_graphs:
-                return do_bench_cudagraph(fn, rep=100, return_mode="median")
-            return do_bench(fn, warmup=25, rep=100)
-
+    bench = op_timer(cuda_graphs) if cuda else None
     results = [measure_layer(i, inputs, rounds, bench) for i, inputs in enumerate(captured)]
     print(format_table(results))
     if cuda:

@@ -14,7 +14,7 @@ from lit_thresh.attention import SoftmaxAttention, ThresholdAttention
 from lit_thresh.attention.threshold import ThresholdMap
 from lit_thresh.model import Transformer, TransformerConfig
 from lit_thresh.ops import threshold_attention
-from lit_thresh.trained_maps import LayerResult, capture_op_inputs, format_table, measure_layer, write_csv
+from lit_thresh.trained_maps import LayerResult, capture_op_inputs, format_table, measure_layer, op_timer, write_csv
 from lit_thresh.trained_maps import main as trained_maps_main
 from tests.tiny_runs import fit_tiny_text_run
 
@@ -81,18 +81,13 @@ def test_measure_layer_statistics_agreement_and_interleaved_timing(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_measure_layer_times_both_settings_on_a_gpu(cuda_graphs):
-    """Eager calls and replayed CUDA graphs (the skip_zero map and lists made inside the graph) both time."""
-    from triton.testing import do_bench, do_bench_cudagraph
-
+    """The command's timer, eager and replaying CUDA graphs (the skip_zero map and lists made inside the graph),
+    times both settings."""
     model = _model(qk_norm=True, beta=3.0).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         inputs = capture_op_inputs(model, torch.randint(0, 41, (4, 80), device="cuda"))[0]
     assert inputs.q.dtype == torch.bfloat16
-
-    def bench(fn):
-        return do_bench_cudagraph(fn, rep=10, return_mode="median") if cuda_graphs else do_bench(fn, warmup=5, rep=10)
-
-    result = measure_layer(0, inputs, rounds=2, bench=bench)
+    result = measure_layer(0, inputs, rounds=2, bench=op_timer(cuda_graphs, rep=10))
     assert result.same and result.off_ms > 0 and result.on_ms > 0
 
 
