@@ -445,8 +445,9 @@ def host_overhead(calls: int = 400, repeats: int = 7) -> list[HostResult]:
 
 def _warm_point(task: tuple) -> str:
     """Worker: run each Triton kernel the grid uses once at (1, H, 256, D) (same specialisation as any
-    T divisible by 16) so that the timing process finds it compiled in Triton's cache."""
-    from lit_thresh.ops import threshold_attention
+    T divisible by 16) so that the timing process finds it compiled in Triton's cache; the single op's
+    default tiles both with their TMA loads (the grid's rows of at least TMA_MIN_WORK) and without."""
+    from lit_thresh.ops import threshold_attention, triton_launch
     from lit_thresh.ops.triton_launch import default_configs, triton_backward, triton_forward
 
     dtype_name, d, h, sparse = task
@@ -456,7 +457,11 @@ def _warm_point(task: tuple) -> str:
     lam = torch.full((h,), 0.3, device="cuda", requires_grad=True)
     dout = _randn(1, h, 256, d, dtype=dtype)
     errors = []
-    runs = [lambda: threshold_attention(q, k, v, beta, 2.0).backward(dout)]
+    def single(min_work: int) -> None:
+        triton_launch.TMA_MIN_WORK = min_work  # this worker process only
+        threshold_attention(q, k, v, beta, 2.0).backward(dout)
+
+    runs = [lambda: single(0), lambda: single(1 << 62)]
     fused = _differential_op()
     if fused is not None:
         runs.append(lambda: fused(q, q2, k, k2, v, beta, lam, 2.0).backward(dout))

@@ -63,6 +63,32 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
     return out, _no_map(q) if live is None else live
 
 
+def _eager_backward(
+    dout: torch.Tensor,  # (B, Hq, Tq, Dv)
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    power: float,
+    scale: float,
+    backend: str,
+    need_dbeta: bool,
+    skip_zero: bool = False,
+    live: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dbeta) laid out as torch.empty_like(q, k, v, beta); dbeta is None unless need_dbeta.
+    live: the forward's tile map, saved when skip_zero (None: none)."""
+    if q.numel() == 0:
+        dbeta = torch.zeros_like(beta) if need_dbeta else None
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbeta
+    if backend == "triton":
+        from lit_thresh.ops.triton_launch import triton_backward
+
+        return triton_backward(q, k, v, beta, power, scale, dout, need_dbeta, skip_zero=skip_zero, live=live)
+    dq, dk, dv, dbeta = chunked_backward(q, k, v, beta, power, scale, dout, need_dbeta)
+    return dq, dk, dv, dbeta if need_dbeta else None
+
+
 def _backward(
     dout: torch.Tensor,  # (B, Hq, Tq, Dv)
     q: torch.Tensor,
@@ -76,18 +102,9 @@ def _backward(
     skip_zero: bool = False,
     live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dbeta) laid out as torch.empty_like(q, k, v, beta); dbeta is zeros unless need_dbeta.
-    live: the forward's tile map, saved when skip_zero (None: none)."""
-    if q.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(beta)
-    if backend == "triton":
-        from lit_thresh.ops.triton_launch import triton_backward
-
-        dq, dk, dv, dbeta = triton_backward(q, k, v, beta, power, scale, dout, need_dbeta, skip_zero=skip_zero,
-                                            live=live)
-    else:
-        dq, dk, dv, dbeta = chunked_backward(q, k, v, beta, power, scale, dout, need_dbeta)
-    return dq, dk, dv, dbeta if need_dbeta else torch.zeros_like(beta)
+    """_eager_backward as the custom op returns it: dbeta zeros where it is not needed."""
+    dq, dk, dv, dbeta = _eager_backward(dout, q, k, v, beta, power, scale, backend, need_dbeta, skip_zero, live)
+    return dq, dk, dv, torch.zeros_like(beta) if dbeta is None else dbeta
 
 
 threshold_attention_op = torch.library.custom_op("lit_thresh::threshold_attention", _forward, mutates_args=())
@@ -141,7 +158,7 @@ class _EagerThresholdAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        return _grads(ctx, dout, None, _backward)
+        return _grads(ctx, dout, None, _eager_backward)
 
 
 def records_nothing(*inputs: torch.Tensor) -> bool:

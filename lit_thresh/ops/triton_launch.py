@@ -54,7 +54,8 @@ def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
     """Tiles per kernel for the larger of the q/k and v head dims (cached). fp16/bf16 up to D = 128: the
     fastest config per kernel of the H200 sweep (`python -m lit_thresh.bench --sweep`, T = 4096, B = 4,
     H = 16; ms below, `was` = the previous default; see lit_thresh/ops/PERF.md), with TMA loads where they
-    won by >= 3% (each TMA launch costs host time for its descriptors); skip_zero off (it pays only on
+    won by >= 3% (each TMA launch costs host time for its descriptors, so eager calls of less
+    work than TMA_MIN_WORK load through pointers instead); skip_zero off (it pays only on
     maps with most tiles all zero). fp32 and D > 128: small-tile starting points, not tuned. Small tiles
     under the interpreter."""
     return _default_configs(head_dim, dtype, triton_interpreting())
@@ -138,22 +139,48 @@ def _single_metas(d: int, dv: int, power: float, dtype: torch.dtype, precision: 
     return MappingProxyType(fwd), MappingProxyType(bwd)
 
 
+TMA_MIN_WORK = 1 << 35
+"""Eager calls with less work than this, B * Hq * Tq * Tk * max(D, Dv), load the default tiles through pointers
+rather than TMA descriptors: a TMA launch (Triton encodes a descriptor per input at each) cost the host more
+than TMA saves on the GPU in calls this small. Measured on an H200, eager calls, bf16 and fp16, D = 64 and
+128 (lit_thresh/ops/PERF.md, v14): on tiny inputs TMA made the forward 21-40 us and the forward+backward 50-272 us
+slower; at 2^34 (D = 64, 2^28 scores) pointers took 0.80-0.88x TMA's forward+backward time; from 2^35 TMA was
+faster (D = 128 at 2^28 scores: 0.86-0.97x pointers' time; D = 64 at 2^30: 0.91-0.93x). A call being captured
+into a CUDA graph (compile: reduce-overhead) pays that host time once: it keeps TMA at any size."""
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(d: int, dv: int, dtype: torch.dtype, power: float, precision: str, interpreting: bool,
-          configs: KernelConfigs | None) -> tuple:
+          configs: KernelConfigs | None, skip_zero: bool = False, tma: bool = True) -> tuple:
     """What every launch with these head dims, dtype and power shares, cached so that a call does no
     more Python than it must: per kernel (fwd, bwd_dkv, bwd_dq), its config and keyword arguments
     (constexprs and launch options; shared between calls: read, never written). Not keyed on the
-    sequence lengths, which change at every step of decoding."""
-    cfgs = configs or _default_configs(max(d, dv), dtype, interpreting)
+    sequence lengths, which change at every step of decoding. configs None: the default tiles, with
+    skip_zero on where skip_zero is true and TMA loads only where tma is true."""
+    if configs is None:
+        configs = (_skip_zero_configs if skip_zero else _default_configs)(max(d, dv), dtype, interpreting)
+        if not tma:
+            kernels = (configs.fwd, configs.bwd_dkv, configs.bwd_dq)
+            configs = KernelConfigs(*(replace(cfg, tma=False) for cfg in kernels))
     fwd_meta, bwd_meta = _single_metas(d, dv, power, dtype, precision, interpreting)
     return tuple((cfg, dict(meta, **_launch_meta(cfg)))  # a dict: `**` reads it faster than a mapping proxy
-                 for cfg, meta in zip((cfgs.fwd, cfgs.bwd_dkv, cfgs.bwd_dq), (fwd_meta, bwd_meta, bwd_meta)))
+                 for cfg, meta in zip((configs.fwd, configs.bwd_dkv, configs.bwd_dq), (fwd_meta, bwd_meta, bwd_meta)))
 
 
-def _problem_plan(q: torch.Tensor, v: torch.Tensor, power: float, configs: KernelConfigs | None) -> tuple:
-    """_plan for these inputs: one cache lookup per launcher call."""
-    return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), configs)
+def default_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the default tiles load through TMA descriptors in this call (TMA_MIN_WORK)."""
+    return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * max(q.shape[3], v.shape[3]) >= TMA_MIN_WORK or (
+        q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _problem_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: float, configs: KernelConfigs | None,
+                  skip_zero: bool = False) -> tuple:
+    """_plan for these inputs (configs None: the default tiles for this call, skip_zero's where
+    skip_zero): one cache lookup per launcher call."""
+    if configs is not None:
+        return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), configs)
+    return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), None,
+                 skip_zero, default_tma(q, k, v))
 
 
 @functools.lru_cache(maxsize=64)
@@ -177,11 +204,12 @@ def stacked_row_norms(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 def _tma_ready(*tensors: torch.Tensor, cols: int = 0) -> bool:
-    """Whether every tensor meets the TMA layout rules (unit last stride, 16-byte aligned base and
-    strides) and tile rows of `cols` elements span at most 256 bytes (the widest run on the H200)."""
+    """Whether every (B, H, T, D) tensor meets the TMA layout rules (unit last stride, 16-byte aligned base
+    and strides) and tile rows of `cols` elements span at most 256 bytes (the widest run on the H200)."""
     for t in tensors:
         size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]) or cols * size > 256:
+        sb, sh, st, sd = t.stride()  # any of the four low bits set below: some value not 16-byte aligned
+        if sd != 1 or cols * size > 256 or (t.data_ptr() | sb * size | sh * size | st * size) % 16:
             return False
     return True
 
@@ -312,9 +340,7 @@ def triton_forward(
     defaults, with skip_zero on where skip_zero is true). With skip_zero in the forward's config, every
     tile still runs and map is the skip_zero tile map at the forward's tiles, for triton_backward's
     `live`; else map is None."""
-    if skip_zero and configs is None:
-        configs = skip_zero_configs(max(q.shape[3], v.shape[3]), q.dtype)
-    (cfg, kw), _, _ = _problem_plan(q, v, power, configs)
+    (cfg, kw), _, _ = _problem_plan(q, k, v, power, configs, skip_zero)
     b, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     grid = (-(-tq // cfg.block_m), b * hq)  # ceil-divisions in plain ints: triton.cdiv costs host time
@@ -350,9 +376,7 @@ def triton_backward(
     """Backward pass: (dq, dk, dv, dbeta); dbeta (Hq,) is reduced deterministically from per-row terms.
     configs, skip_zero: as triton_forward. live: the map triton_forward returned with these configs, for
     the kernels that skip (None: a pre-pass makes one)."""
-    if skip_zero and configs is None:
-        configs = skip_zero_configs(max(q.shape[3], v.shape[3]), q.dtype)
-    (fwd_cfg, _), (dkv_cfg, dkv_kw), (dq_cfg, dq_kw) = _problem_plan(q, v, power, configs)
+    (fwd_cfg, _), (dkv_cfg, dkv_kw), (dq_cfg, dq_kw) = _problem_plan(q, k, v, power, configs, skip_zero)
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     scalars = (tq, tk, scale, power, 2.0 / d)

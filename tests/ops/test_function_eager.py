@@ -111,3 +111,17 @@ def test_calls_with_nothing_to_record_skip_the_autograd_function(monkeypatch, di
     assert op(*inputs, 2.0, backend=backend).grad_fn is None
     with torch.no_grad():
         assert op(*inputs, 2.0, backend=backend).grad_fn is None
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_eager_backward_makes_no_beta_gradient_where_none_is_asked(backend):
+    """The eager path's backward returns None for beta where beta needs no gradient (the custom op's returns
+    zeros, as its schema asks); q, k and v get theirs either way."""
+    q, k, v, beta = _inputs(False)
+    dout = torch.randn_like(q)
+    skipped = function._eager_backward(dout, q, k, v, beta, 2.0, 1.0, backend, False)
+    full = function._eager_backward(dout, q, k, v, beta, 2.0, 1.0, backend, True)
+    assert skipped[3] is None and full[3].shape == beta.shape
+    for a, b in zip(skipped[:3], full[:3]):
+        assert torch.equal(a, b)
+    assert torch.equal(function._backward(dout, q, k, v, beta, 2.0, 1.0, backend, False)[3], torch.zeros_like(beta))

@@ -184,7 +184,7 @@ def _tile_map(source: str, q, k, beta, grain: tuple[int, int], power: float = 2.
     from lit_thresh.ops.triton_launch import _problem_plan, live_tiles
 
     if source == "prepass":
-        _, (_, kw), _ = _problem_plan(q, q, power, None)
+        _, (_, kw), _ = _problem_plan(q, q, q, power, None)
         return live_tiles(q, k, beta, 1.0, grain, kw)
     cfg = BlockConfig(*grain, skip_zero=True)
     return triton_forward(q, k, k, beta, power, 1.0, KernelConfigs(cfg, cfg, cfg))[1]

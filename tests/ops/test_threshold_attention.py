@@ -6,10 +6,12 @@ the `gpu`-marked cases run the same checks on CUDA (`pytest -m gpu`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from lit_thresh.ops import threshold_attention
+from lit_thresh.ops import threshold_attention, triton_launch
 from lit_thresh.ops.reference import threshold_attention_reference
 from tests.ops.helpers import TOLERANCE, check_against_reference, generator, randn, reference_with_grads, rel_err
 
@@ -182,9 +184,75 @@ def test_beta_gradient_has_beta_shape():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_triton_default_tiles_at_training_sizes(head_dim, dtype):
+def test_triton_default_tiles_at_training_sizes(head_dim, dtype, loads, monkeypatch):
     """The tuned tiles of default_configs (the interpreter runs small ones) at T = 1000: many full tiles
-    and a partial last one, GQA, per-head beta."""
+    and a partial last one, GQA, per-head beta; loading through pointers, as an eager call of this size
+    does, and through TMA descriptors where the config has them, as a larger call or a CUDA graph does
+    (TMA_MIN_WORK)."""
+    if loads == "tma":
+        monkeypatch.setattr(triton_launch, "TMA_MIN_WORK", 0)
     assert check_against_reference("cuda", dtype, "triton", 2, 4, 2, 1000, 1000, head_dim, head_dim, beta="per_head", power=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_triton_default_tiles_with_tma_on_transposed_views(head_dim, dtype, monkeypatch):
+    """The default tiles with their TMA loads forced on, on (B, T, H, D) views at an odd length; the loads do
+    go through descriptors."""
+    monkeypatch.setattr(triton_launch, "TMA_MIN_WORK", 0)
+    sources, used = triton_launch._sources, []
+
+    def spy(*args, **kwargs):
+        srcs, use_tma = sources(*args, **kwargs)
+        used.append(use_tma)
+        return srcs, use_tma
+
+    monkeypatch.setattr(triton_launch, "_sources", spy)
+    assert check_against_reference("cuda", dtype, "triton", 2, 4, 2, 333, 333, head_dim, head_dim, beta="per_head",
+                                   power=2.0, layout="bthd")
+    assert any(used), "some kernel must have loaded through TMA descriptors"
+
+
+def test_eager_calls_below_tma_min_work_load_through_pointers():
+    """The default tiles drop TMA loads for calls of less work than TMA_MIN_WORK, B * Hq * Tq * Tk * max(D, Dv),
+    and keep them from it on (CPU tensors: never captured into a CUDA graph)."""
+    side = int((triton_launch.TMA_MIN_WORK // (16 * 128)) ** 0.5)  # (1, 16, side, 128): TMA_MIN_WORK
+    assert 16 * side * side * 128 == triton_launch.TMA_MIN_WORK
+    q = torch.empty(1, 16, side, 128, device="meta")
+    assert triton_launch.default_tma(q, q, q)
+    assert not triton_launch.default_tma(q[:, :, 1:], q, q)  # one query fewer
+    assert not triton_launch.default_tma(q[..., :64], q[..., :64], q[..., :64])  # half the head dim
+    assert triton_launch.default_tma(q[..., :64], q[..., :64], q)  # Dv counts as well
+    configs = [cfg for cfg, _ in triton_launch._plan(64, 64, torch.bfloat16, 2.0, "ieee", False, None, False, True)]
+    assert any(cfg.tma for cfg in configs), "the bf16 D = 64 defaults load some tiles through TMA"
+    pointer = [cfg for cfg, _ in triton_launch._plan(64, 64, torch.bfloat16, 2.0, "ieee", False, None, False, False)]
+    assert pointer == [replace(cfg, tma=False) for cfg in configs]
+
+
+def test_the_launchers_plan_picks_the_loads_by_the_calls_work(monkeypatch):
+    """_problem_plan, as the launchers call it, passes default_tma's choice on to the default tiles."""
+    q = torch.empty(1, 2, 128, 64, dtype=torch.bfloat16, device="meta")
+    monkeypatch.setattr(triton_launch, "triton_interpreting", lambda: False)  # the GPU's tuned tiles
+    small = [cfg.tma for cfg, _ in triton_launch._problem_plan(q, q, q, 2.0, None)]
+    monkeypatch.setattr(triton_launch, "TMA_MIN_WORK", 0)
+    large = [cfg.tma for cfg, _ in triton_launch._problem_plan(q, q, q, 2.0, None)]
+    assert not any(small) and any(large)
+
+
+@pytest.mark.gpu
+def test_calls_captured_into_a_cuda_graph_keep_tma():
+    """A small call being captured into a CUDA graph pays the descriptors' host time once: TMA stays on."""
+    q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    assert not triton_launch.default_tma(q, q, q)
+    eager = threshold_attention(q, q, q, 0.5)  # compiles the pointer kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_launch.default_tma(q, q, q)
+        out = threshold_attention(q, q, q, 0.5)
+    graph.replay()
+    assert captured
+    assert rel_err(out, eager) < TOLERANCE[torch.bfloat16]
