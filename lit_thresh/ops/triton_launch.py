@@ -177,10 +177,9 @@ def _problem_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: floa
                   skip_zero: bool = False) -> tuple:
     """_plan for these inputs (configs None: the default tiles for this call, skip_zero's where
     skip_zero): one cache lookup per launcher call."""
-    if configs is not None:
-        return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), configs)
-    return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), None,
-                 skip_zero, default_tma(q, k, v))
+    defaults = configs is None  # explicit configs carry their own skip_zero and TMA choices
+    return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), configs,
+                 skip_zero and defaults, not defaults or default_tma(q, k, v))
 
 
 @functools.lru_cache(maxsize=64)
