@@ -41,7 +41,7 @@ from lit_thresh.ops.triton_kernels import (
     _log2_weight_bound,
     _mma,
     _rectify,
-    _rectify_grad,
+    _rectify_slope,
     _row_norms,
     _store_tile,
 )
@@ -52,6 +52,7 @@ from lit_thresh.ops.triton_launch import (
     _empty_like_layout,
     _power_mode,
     _precision,
+    gain_table,
     stacked_row_norms,
 )
 
@@ -124,12 +125,12 @@ def _log2_diff_weight_bound(base1, base2, log2_lam, power, POWER_MODE: tl.conste
 
 @triton.jit
 def diff_threshold_fwd_kernel(
-    Q1, Q2, K1, K2, V, O, BETA, LAM, ROW_NORMS,
+    Q1, Q2, K1, K2, V, O, BETA, GAINS, LAM, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_oh, stride_ot, stride_od,
-    H, GROUP, TQ, TK, scale, power, gain_coef,
+    H, GROUP, TQ, TK, scale, power,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -140,7 +141,7 @@ def diff_threshold_fwd_kernel(
     scaled into fp16's range by a power of two per row, from the key norms ROW_NORMS (B * H / GROUP, 2, TK)
     fp32, |k1_j| then |k2_j| (unused otherwise). SKIP_ZERO: skip the PV product of key tiles where both
     rectified score tiles are all exactly 0."""
-    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    scale, power = _as_fp32(scale), _as_fp32(power)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -155,7 +156,7 @@ def diff_threshold_fwd_kernel(
     q1 = _load_tile(Q1 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
     q2 = _load_tile(Q2 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
     pos = offs_m + past  # absolute positions (BLOCK_M,)
-    tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
+    tau = tl.load(BETA + h) * _gain(GAINS, pos)  # (BLOCK_M,)
     lam = tl.load(LAM + h)
 
     kv_off = b * stride_kb + hk * stride_kh
@@ -208,8 +209,8 @@ def _diff_bwd_dkv_update(
     p2_t = _rectify(x2_t, power, POWER_MODE)
     dv = _dot_rows(p1_t - lam * p2_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
     dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
-    ds1_t = dp_t * _rectify_grad(x1_t, p1_t, power, POWER_MODE)
-    ds2_t = -lam * dp_t * _rectify_grad(x2_t, p2_t, power, POWER_MODE)
+    ds1_t = dp_t * _rectify_slope(x1_t, p1_t, power, POWER_MODE)  # dS1^T / p
+    ds2_t = -lam * dp_t * _rectify_slope(x2_t, p2_t, power, POWER_MODE)  # dS2^T / p
     dk1 = _dot_rows(ds1_t, ds1_mul, q1, dk1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
     dk2 = _dot_rows(ds2_t, ds2_mul, q2, dk2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
     return dk1, dk2, dv
@@ -218,7 +219,7 @@ def _diff_bwd_dkv_update(
 @triton.jit
 def _diff_bwd_dkv_inner(
     dk1, dk2, dv, k1, k2, v, offs_n, q1_base, q2_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, lam, past, TQ, scale, power, gain_coef, p_mul, ds1_mul, ds2_mul, lo, hi,
+    beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr,
@@ -233,7 +234,7 @@ def _diff_bwd_dkv_inner(
         do = _load_tile(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
                         offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
         pos = offs_m + past
-        tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
+        tau = beta * _gain(GAINS, pos)  # (BLOCK_M,)
         x1_t = _mma(k1, tl.trans(q1), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
         x2_t = _mma(k2, tl.trans(q2), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
         if CAUSAL_MASK:
@@ -254,14 +255,14 @@ def _diff_bwd_dkv_inner(
 
 @triton.jit
 def diff_threshold_bwd_dkv_kernel(
-    Q1, Q2, K1, K2, V, dO, dK1, dK2, dV, BETA, LAM, ROW_NORMS,
+    Q1, Q2, K1, K2, V, dO, dK1, dK2, dV, BETA, GAINS, LAM, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-    HKV, GROUP, TQ, TK, scale, power, gain_coef,
+    HKV, GROUP, TQ, TK, scale, power,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
@@ -273,7 +274,7 @@ def diff_threshold_bwd_dkv_kernel(
     (B * HKV * GROUP, 3, TQ) fp32, |q1_i|, |q2_i| then |dO_i| (unused otherwise); FP16_RANGE (fp16, p < 1):
     per-tile scaling instead. SKIP_ZERO: skip the work after the score products of query tiles where both
     rectified score tiles are all exactly 0."""
-    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    scale, power = _as_fp32(scale), _as_fp32(power)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -313,7 +314,7 @@ def diff_threshold_bwd_dkv_kernel(
             neg_beta = tl.maximum(neg_beta, -tl.load(BETA + h))
             lam_max = tl.maximum(lam_max, tl.abs(tl.load(LAM + h)))
         # (1,): -tau is largest at the last position a query tile reaches, padding rows past TQ included
-        neg_tau = neg_beta * _gain(tl.full((1,), TK - 1 + BLOCK_M, tl.int32), gain_coef)
+        neg_tau = neg_beta * _gain(GAINS, tl.full((1,), TK - 1 + BLOCK_M, tl.int32))
         base1 = tl.abs(scale) * q1_max * _row_norms(k1) + neg_tau  # (BLOCK_N,) >= every x1 of the key
         base2 = tl.abs(scale) * q2_max * _row_norms(k2) + neg_tau  # (BLOCK_N,) >= every x2 of the key
         log2_lam = tl.log2(lam_max)
@@ -335,11 +336,11 @@ def diff_threshold_bwd_dkv_kernel(
         do_base = dO + b * stride_dob + h * stride_doh
         dk1, dk2, dv = _diff_bwd_dkv_inner(
             dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
-            beta, lam, past, TQ, scale, power, gain_coef, p_mul, ds1_mul, ds2_mul, m_lo, m_full,
+            beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, m_lo, m_full,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
         dk1, dk2, dv = _diff_bwd_dkv_inner(
             dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
-            beta, lam, past, TQ, scale, power, gain_coef, p_mul, ds1_mul, ds2_mul, m_full, TQ,
+            beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, m_full, TQ,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
     if ROW_SCALE:
         dk1 = dk1 * tl.exp2(ds1_exp)[:, None]
@@ -348,8 +349,8 @@ def diff_threshold_bwd_dkv_kernel(
 
     dk_offs = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
     dv_ptrs = dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
-    _store_tile(dK1 + dk_offs, (dk1 * scale).to(dK1.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
-    _store_tile(dK2 + dk_offs, (dk2 * scale).to(dK2.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
+    _store_tile(dK1 + dk_offs, (dk1 * (scale * power)).to(dK1.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
+    _store_tile(dK2 + dk_offs, (dk2 * (scale * power)).to(dK2.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
     _store_tile(dv_ptrs, dv.to(dV.dtype.element_ty), offs_n, TK, offs_dv, DV, DV != BLOCK_DV)
 
 
@@ -368,8 +369,8 @@ def _diff_bwd_dq_update(
                    offs_n, TK, offs_dv, DV, CHECK_ROWS, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
     dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
     p2 = _rectify(x2, power, POWER_MODE)
-    ds1 = dp * _rectify_grad(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)
-    ds2 = -lam * dp * _rectify_grad(x2, p2, power, POWER_MODE)
+    ds1 = dp * _rectify_slope(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)  # dS1 / p
+    ds2 = -lam * dp * _rectify_slope(x2, p2, power, POWER_MODE)  # dS2 / p
     dq1 = _dot_rows(ds1, ds1_mul, k1, dq1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
     dq2 = _dot_rows(ds2, ds2_mul, k2, dq2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
     if BETA_GRAD:
@@ -410,13 +411,13 @@ def _diff_bwd_dq_inner(
 
 @triton.jit
 def diff_threshold_bwd_dq_kernel(
-    Q1, Q2, K1, K2, V, dO, dQ1, dQ2, DBETA_ROWS, DLAM_ROWS, BETA, LAM, ROW_NORMS,
+    Q1, Q2, K1, K2, V, dO, dQ1, dQ2, DBETA_ROWS, DLAM_ROWS, BETA, GAINS, LAM, ROW_NORMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-    H, GROUP, TQ, TK, scale, power, gain_coef,
+    H, GROUP, TQ, TK, scale, power,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
@@ -428,7 +429,7 @@ def diff_threshold_bwd_dq_kernel(
     ROW_SCALE (fp16, p >= 1): dS1 and dS2 rows scaled into fp16's range by a power of two per row each,
     from the norms ROW_NORMS (B * H / GROUP, 3, TK) fp32, |k1_j|, |k2_j| then |v_j| (unused otherwise);
     FP16_RANGE (fp16, p < 1): per-tile scaling instead."""
-    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    scale, power = _as_fp32(scale), _as_fp32(power)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -445,7 +446,7 @@ def diff_threshold_bwd_dq_kernel(
     do = _load_tile(dO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
                     offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
     pos = offs_m + past
-    gain = _gain(pos, gain_coef)
+    gain = _gain(GAINS, pos)
     tau = tl.load(BETA + h) * gain  # (BLOCK_M,)
     lam = tl.load(LAM + h)
 
@@ -486,11 +487,11 @@ def diff_threshold_bwd_dq_kernel(
         dq2 = dq2 * tl.exp2(ds2_exp)[:, None]
 
     dq_offs = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
-    _store_tile(dQ1 + dq_offs, (dq1 * scale).to(dQ1.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
-    _store_tile(dQ2 + dq_offs, (dq2 * scale).to(dQ2.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    _store_tile(dQ1 + dq_offs, (dq1 * (scale * power)).to(dQ1.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    _store_tile(dQ2 + dq_offs, (dq2 * (scale * power)).to(dQ2.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
     row = pid_bh.to(tl.int64) * TQ + offs_m
     if BETA_GRAD:
-        tl.store(DBETA_ROWS + row, -gain * ds_sum, mask=offs_m < TQ)
+        tl.store(DBETA_ROWS + row, -(gain * power) * ds_sum, mask=offs_m < TQ)
     if LAM_GRAD:
         tl.store(DLAM_ROWS + row, -dlam_sum, mask=offs_m < TQ)
 
@@ -606,8 +607,8 @@ def diff_triton_forward(
     k_norms = stacked_row_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
     _FWD(
         (-(-tq // cfg.block_m), b * hq),  # ceil-division in plain ints: no triton.cdiv
-        (q1, q2, k1, k2, v, out, beta, lam, k_norms),
-        (*q1.stride(), *k1.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power, 2.0 / d),
+        (q1, q2, k1, k2, v, out, beta, gain_table(q1.device, d, tk + cfg.block_m), lam, k_norms),
+        (*q1.stride(), *k1.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power),
         meta,
     )
     return out
@@ -634,7 +635,8 @@ def diff_triton_backward(
     q1, q2 = match_strides(q1, q2)
     k1, k2 = match_strides(k1, k2)
     cfgs = configs or default_diff_configs(max(d, dv), q1.dtype)
-    scalars = (tq, tk, scale, power, 2.0 / d)
+    scalars = (tq, tk, scale, power)
+    gains = gain_table(q1.device, d, tk + max(cfgs.bwd_dkv.block_m, cfgs.bwd_dq.block_m))  # (>= Tk + BLOCK_M,)
     dq1, dq2 = torch.empty_like(q1), torch.empty_like(q1)
     dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
 
@@ -646,7 +648,7 @@ def diff_triton_backward(
     else:
         qdo_norms = kv_norms = beta
     _BWD_DKV(
-        (-(-tk // cfg.block_n), b * hkv), (q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, lam, qdo_norms),
+        (-(-tk // cfg.block_n), b * hkv), (q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, gains, lam, qdo_norms),
         (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(), hkv, hq // hkv,
          *scalars),
         meta,
@@ -657,7 +659,7 @@ def diff_triton_backward(
         torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need else dq1 for need in (need_dbeta, need_dlam)
     )
     _BWD_DQ(
-        (-(-tq // cfg.block_m), b * hq), (q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, lam, kv_norms),
+        (-(-tq // cfg.block_m), b * hq), (q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, gains, lam, kv_norms),
         (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(), hq, hq // hkv, *scalars),
         _kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam),
     )

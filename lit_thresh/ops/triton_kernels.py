@@ -92,32 +92,44 @@ def _as_fp32(x):
 
 
 @triton.jit
-def _gain(pos, gain_coef):
-    """sqrt(2 ln(pos + 1) / d) for integer positions; tau = beta * gain."""
-    return tl.sqrt(gain_coef * tl.log(pos.to(tl.float32) + 1.0))
+def _gain(GAINS, pos):
+    """sqrt(2 ln(pos + 1) / d) for integer positions: a load from the launcher's fp32 table GAINS
+    (triton_launch.gain_table, longer than any position a kernel reaches); tau = beta * gain. Computed here
+    it took ~20 instructions per position (ln's polynomial, sqrt), which the dK/dV kernels paid for every
+    query tile they visit; from one table every kernel sees the same tau."""
+    return tl.load(GAINS + pos)
+
+
+@triton.jit
+def _relu(x):
+    """max(x, 0), NaN where x is NaN: one max.NaN instruction (a compare and a select before; plain
+    tl.maximum would drop the NaN)."""
+    return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _rectify(x, power, POWER_MODE: tl.constexpr):
-    """ReLU(x)^p, NaN where x is NaN (the `x <= 0` test is False for NaN; tl.maximum would drop it).
-    POWER_MODE 1: p = 1, 2: p = 2, 0: any p > 0 (exp2(p log2 x), no bias)."""
+    """ReLU(x)^p, NaN where x is NaN. POWER_MODE 1: p = 1, 2: p = 2, 0: any p > 0 (exp2(p log2 x), no bias;
+    the `x <= 0` test is False for NaN)."""
     if POWER_MODE == 1:
-        return tl.where(x <= 0.0, 0.0, x)
+        return _relu(x)
     elif POWER_MODE == 2:
-        return tl.where(x <= 0.0, 0.0, x * x)
+        r = _relu(x)
+        return r * r
     else:
         return tl.where(x <= 0.0, 0.0, tl.exp2(power * tl.log2(x)))
 
 
 @triton.jit
-def _rectify_grad(x, p_val, power, POWER_MODE: tl.constexpr):
-    """d ReLU(x)^p / dx = p x^(p-1) for x > 0, 0 for x <= 0, NaN for NaN x; given p_val = ReLU(x)^p."""
+def _rectify_slope(x, p_val, power, POWER_MODE: tl.constexpr):
+    """(d ReLU(x)^p / dx) / p = x^(p-1) for x > 0, 0 for x <= 0, NaN for NaN x; given p_val = ReLU(x)^p.
+    The factor p is left to the kernels' final scale of dQ, dK and dbeta (one multiply per element less)."""
     if POWER_MODE == 1:
         return tl.where(x <= 0.0, 0.0, tl.where(x == x, 1.0, x))
     elif POWER_MODE == 2:
-        return tl.where(x <= 0.0, 0.0, 2.0 * x)
+        return _relu(x)  # the same op as _rectify's: compiled once
     else:
-        return tl.where(x <= 0.0, 0.0, power * p_val / x)
+        return tl.where(x <= 0.0, 0.0, p_val / x)
 
 
 @triton.jit
@@ -150,10 +162,10 @@ def _live_tile(q, k, tau, margin, real, scale, PRECISION: tl.constexpr, UPCAST: 
 
 @triton.jit
 def threshold_live_tiles_kernel(
-    Q, K, BETA, MARGIN, LIVE,
+    Q, K, BETA, GAINS, MARGIN, LIVE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
-    H, GROUP, TQ, TK, scale, gain_coef,
+    H, GROUP, TQ, TK, scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -164,7 +176,7 @@ def threshold_live_tiles_kernel(
     rows and keys (summation order; tf32's operand rounding, up to ~2e-3 relative, included), so no tile
     with a weight is ever marked 0; a NaN score marks it 1. Only QK^T: no V, no output. Grid
     (cdiv(TQ, BLOCK_M), B * H)."""
-    scale, gain_coef = _as_fp32(scale), _as_fp32(gain_coef)
+    scale = _as_fp32(scale)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -174,7 +186,7 @@ def threshold_live_tiles_kernel(
     q = _seq_tile(Q + b * stride_qb + h * stride_qh, b, h, pid_m * BLOCK_M, stride_qt, stride_qd,
                   TQ, D, BLOCK_M, BLOCK_D, True, False)  # (BLOCK_M, BLOCK_D)
     pos = offs_m + past
-    tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
+    tau = tl.load(BETA + h) * _gain(GAINS, pos)  # (BLOCK_M,)
     margin = tl.load(MARGIN)
     row_real = (offs_m < TQ)[:, None]  # (BLOCK_M, 1)
     k_src = K + b * stride_kb + (h // GROUP) * stride_kh
@@ -333,14 +345,14 @@ def _log2_weight_bound(base, power, POWER_MODE: tl.constexpr):
 
 @triton.jit
 def _log2_grad_bound(base, log2_dp, power, POWER_MODE: tl.constexpr):
-    """log2(2^log2_dp * p * base^(p-1)): the bound of |dS| = |dP| d ReLU(x)^p / dx for |dP| <= 2^log2_dp,
-    x <= base and p >= 1 (the derivative as in _rectify_grad: 1 for p = 1, 2x for p = 2)."""
+    """log2(2^log2_dp * base^(p-1)): the bound of |dS| / p = |dP| _rectify_slope(x) for |dP| <= 2^log2_dp,
+    x <= base and p >= 1."""
     if POWER_MODE == 1:
         return log2_dp
     elif POWER_MODE == 2:
-        return 1.0 + log2_dp + tl.log2(base)
+        return log2_dp + tl.log2(base)
     else:
-        return tl.log2(power) + log2_dp + (power - 1.0) * tl.log2(base)
+        return log2_dp + (power - 1.0) * tl.log2(base)
 
 
 @triton.jit
@@ -400,12 +412,12 @@ def _fwd_inner(
 
 @triton.jit
 def threshold_fwd_kernel(
-    Q, K, V, O, BETA, ROW_NORMS, MARGIN, LIVE,
+    Q, K, V, O, BETA, GAINS, ROW_NORMS, MARGIN, LIVE,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_oh, stride_ot, stride_od,
-    H, GROUP, TQ, TK, scale, power, gain_coef,
+    H, GROUP, TQ, TK, scale, power,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -418,7 +430,7 @@ def threshold_fwd_kernel(
     cdiv(TK, BLOCK_N)) int8, zeroed by the caller, gets 1 where a score of the tile is > -margin or NaN
     (MARGIN (1,) fp32, as threshold_live_tiles_kernel's; padding rows may mark a tile, which only keeps
     it). USE_TMA: Q, K, V are (B, H, T, D) tensor descriptors."""
-    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    scale, power = _as_fp32(scale), _as_fp32(power)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -431,7 +443,7 @@ def threshold_fwd_kernel(
     q = _seq_tile(_head_src(Q, b, h, stride_qb, stride_qh, USE_TMA), b, h, pid_m * BLOCK_M, stride_qt, stride_qd,
                   TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
     pos = offs_m + past  # absolute positions (BLOCK_M,)
-    tau = tl.load(BETA + h) * _gain(pos, gain_coef)  # (BLOCK_M,)
+    tau = tl.load(BETA + h) * _gain(GAINS, pos)  # (BLOCK_M,)
 
     k_src = _head_src(K, b, hk, stride_kb, stride_kh, USE_TMA)
     v_src = _head_src(V, b, hk, stride_vb, stride_vh, USE_TMA)
@@ -481,7 +493,7 @@ def _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul, POWER_MODE: tl.
     p_t = _rectify(x_t, power, POWER_MODE)
     dv = _dot_rows(p_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
     dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
-    ds_t = dp_t * _rectify_grad(x_t, p_t, power, POWER_MODE)
+    ds_t = dp_t * _rectify_slope(x_t, p_t, power, POWER_MODE)  # dS^T / p
     dk = _dot_rows(ds_t, ds_mul, q, dk, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
@@ -489,7 +501,7 @@ def _bwd_dkv_update(dk, dv, x_t, q, do, v, power, p_mul, ds_mul, POWER_MODE: tl.
 @triton.jit
 def _bwd_dkv_tile(
     dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+    beta, past, TQ, scale, power, GAINS, p_mul, ds_mul, start_m,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
@@ -499,7 +511,7 @@ def _bwd_dkv_tile(
     q = _seq_tile(q_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
     do = _seq_tile(do_src, b, h, start_m, stride_dot, stride_dod, TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
     pos = offs_m + past
-    tau = beta * _gain(pos, gain_coef)  # (BLOCK_M,)
+    tau = beta * _gain(GAINS, pos)  # (BLOCK_M,)
     x_t = _mma(k, tl.trans(q), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
     if CAUSAL_MASK:
         x_t = tl.where(offs_n[:, None] <= pos[None, :], x_t, 0.0)
@@ -510,7 +522,7 @@ def _bwd_dkv_tile(
 @triton.jit
 def _bwd_dkv_range(
     dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, hi,
+    beta, past, TQ, scale, power, GAINS, p_mul, ds_mul, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
@@ -518,7 +530,7 @@ def _bwd_dkv_range(
     """dK, dV accumulators after every query tile in [lo, hi)."""
     for start_m in range(lo, hi, BLOCK_M):
         dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                               stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                               stride_dod, beta, past, TQ, scale, power, GAINS, p_mul, ds_mul, start_m,
                                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
                                FP16_RANGE, PRECISION, UPCAST, USE_TMA)
     return dk, dv
@@ -527,7 +539,7 @@ def _bwd_dkv_range(
 @triton.jit
 def _bwd_dkv_inner(
     dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-    beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, lo, hi,
+    beta, past, TQ, scale, power, GAINS, p_mul, ds_mul, lut, count, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
@@ -541,12 +553,12 @@ def _bwd_dkv_inner(
         for i in range(0, tl.where(full, 0, count)):
             start_m = tl.multiple_of(tl.load(lut + i) * BLOCK_M, BLOCK_M)
             dk, dv = _bwd_dkv_tile(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                                   stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, start_m,
+                                   stride_dod, beta, past, TQ, scale, power, GAINS, p_mul, ds_mul, start_m,
                                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
                                    FP16_RANGE, PRECISION, UPCAST, USE_TMA)
         plain_hi = tl.where(full, hi, lo)
     dk, dv = _bwd_dkv_range(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot,
-                            stride_dod, beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lo, plain_hi,
+                            stride_dod, beta, past, TQ, scale, power, GAINS, p_mul, ds_mul, lo, plain_hi,
                             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
                             FP16_RANGE, PRECISION, UPCAST, USE_TMA)
     return dk, dv
@@ -554,14 +566,14 @@ def _bwd_dkv_inner(
 
 @triton.jit
 def threshold_bwd_dkv_kernel(
-    Q, K, V, dO, dK, dV, BETA, ROW_NORMS, LUT, COUNTS,
+    Q, K, V, dO, dK, dV, BETA, GAINS, ROW_NORMS, LUT, COUNTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-    HKV, GROUP, TQ, TK, scale, power, gain_coef,
+    HKV, GROUP, TQ, TK, scale, power,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
@@ -574,7 +586,7 @@ def threshold_bwd_dkv_kernel(
     SKIP_ZERO: the unmasked loop visits only the query tiles listed in LUT (a row of cdiv(TQ, BLOCK_M) per
     (batch, query head, key tile); COUNTS: how many), or all of them where >= 7/8 are listed (_runs_plain).
     USE_TMA: Q, K, V, dO are tensor descriptors."""
-    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    scale, power = _as_fp32(scale), _as_fp32(power)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -607,7 +619,7 @@ def threshold_bwd_dkv_kernel(
             do_max = tl.maximum(do_max, _finite_max(norms + TQ, tl.maximum(first_key - past, 0), TQ))
             neg_beta = tl.maximum(neg_beta, -tl.load(BETA + h))
         # (1,): -tau is largest at the last position a query tile reaches, padding rows past TQ included
-        neg_tau = neg_beta * _gain(tl.full((1,), TK - 1 + BLOCK_M, tl.int32), gain_coef)
+        neg_tau = neg_beta * _gain(GAINS, tl.full((1,), TK - 1 + BLOCK_M, tl.int32))
         base = tl.abs(scale) * q_max * _row_norms(k) + neg_tau  # (BLOCK_N,) >= every score of the key
         p_exp = _fp16_exp(_log2_weight_bound(base, power, POWER_MODE))  # (BLOCK_N,)
         ds_exp = _fp16_exp(_log2_grad_bound(base, tl.log2(do_max) + tl.log2(_row_norms(v)), power, POWER_MODE))
@@ -623,14 +635,14 @@ def threshold_bwd_dkv_kernel(
         lut, count = _tile_list(LUT, COUNTS, (b * HKV * GROUP + h) * tl.num_programs(0) + pid_n, tl.cdiv(TQ, BLOCK_M),
                                 SKIP_ZERO)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, m_lo, m_full,
+                                beta, past, TQ, scale, power, GAINS, p_mul, ds_mul, lut, count, m_lo, m_full,
                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                 True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, False, USE_TMA)
         dk, dv = _bwd_dkv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
-                                beta, past, TQ, scale, power, gain_coef, p_mul, ds_mul, lut, count, m_full, TQ,
+                                beta, past, TQ, scale, power, GAINS, p_mul, ds_mul, lut, count, m_full, TQ,
                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                 False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
-    dk = dk * scale
+    dk = dk * (scale * power)  # the p of dS (_rectify_slope)
     if ROW_SCALE:
         dk = dk * tl.exp2(ds_exp)[:, None]
         dv = dv * tl.exp2(p_exp)[:, None]
@@ -647,7 +659,7 @@ def _bwd_dq_update(dq, ds_sum, x, do, k, v, power, ds_mul, POWER_MODE: tl.conste
     """dQ accumulator and per-row dS sums after one (query tile, key tile) pair with scores x (BLOCK_M, BLOCK_N);
     DS_SCALED: dS rows are multiplied by ds_mul (BLOCK_M,) before the cast (not in the sums)."""
     dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
-    ds = dp * _rectify_grad(x, _rectify(x, power, POWER_MODE), power, POWER_MODE)
+    ds = dp * _rectify_slope(x, _rectify(x, power, POWER_MODE), power, POWER_MODE)  # dS / p
     dq = _dot_rows(ds, ds_mul, k, dq, DS_SCALED, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
     if BETA_GRAD:
         ds_sum += tl.sum(ds, axis=1)
@@ -721,13 +733,13 @@ def _bwd_dq_inner(
 
 @triton.jit
 def threshold_bwd_dq_kernel(
-    Q, K, V, dO, dQ, DBETA_ROWS, BETA, ROW_NORMS, LUT, COUNTS,
+    Q, K, V, dO, dQ, DBETA_ROWS, BETA, GAINS, ROW_NORMS, LUT, COUNTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-    H, GROUP, TQ, TK, scale, power, gain_coef,
+    H, GROUP, TQ, TK, scale, power,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
@@ -740,7 +752,7 @@ def threshold_bwd_dq_kernel(
     per-tile scaling instead. SKIP_ZERO: the unmasked loop visits only the key tiles listed in LUT (a row of
     cdiv(TK, BLOCK_N) per (batch, head, query tile); COUNTS: how many), or all of them where >= 7/8 are listed.
     USE_TMA: Q, K, V, dO are tensor descriptors."""
-    scale, power, gain_coef = _as_fp32(scale), _as_fp32(power), _as_fp32(gain_coef)
+    scale, power = _as_fp32(scale), _as_fp32(power)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -755,7 +767,7 @@ def threshold_bwd_dq_kernel(
     do = _seq_tile(_head_src(dO, b, h, stride_dob, stride_doh, USE_TMA), b, h, pid_m * BLOCK_M, stride_dot, stride_dod,
                    TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
     pos = offs_m + past
-    gain = _gain(pos, gain_coef)
+    gain = _gain(GAINS, pos)
     tau = tl.load(BETA + h) * gain  # (BLOCK_M,)
 
     k_src = _head_src(K, b, hk, stride_kb, stride_kh, USE_TMA)
@@ -789,7 +801,7 @@ def threshold_bwd_dq_kernel(
                                stride_vd, TK, x_scale, power, lut, count, n_full, n_end, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
                                True, POWER_MODE, ROW_SCALE and POWER_MODE != 2, FP16_RANGE, PRECISION, UPCAST,
                                BETA_GRAD, False, USE_TMA)
-    dq = dq * scale
+    dq = dq * (scale * power)  # the p of dS (_rectify_slope)
     if ROW_SCALE:
         dq = dq * tl.exp2(ds_exp)[:, None]
         if POWER_MODE == 2:
@@ -798,4 +810,4 @@ def threshold_bwd_dq_kernel(
     dq_ptrs = dQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
     _store_tile(dq_ptrs, dq.to(dQ.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
     if BETA_GRAD:
-        tl.store(DBETA_ROWS + pid_bh.to(tl.int64) * TQ + offs_m, -gain * ds_sum, mask=offs_m < TQ)
+        tl.store(DBETA_ROWS + pid_bh.to(tl.int64) * TQ + offs_m, -(gain * power) * ds_sum, mask=offs_m < TQ)

@@ -182,6 +182,23 @@ def _problem_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: floa
                  skip_zero and defaults, not defaults or default_tma(q, k, v))
 
 
+_GAIN_TABLES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def gain_table(device: torch.device, d: int, n: int) -> torch.Tensor:
+    """sqrt(2 ln(pos + 1) / d) for every position pos < n at least, fp32 on `device` (the kernels' GAINS):
+    tau_i = beta * table[pos_i], one table for every kernel of a call, so they all see the same tau. Made in
+    float64 and cached per (device, d), at the next power of 2 of n; while a CUDA graph is being captured a
+    table not yet cached is made by the graph and not kept (its values exist only once the graph runs)."""
+    table = _GAIN_TABLES.get((device, d))
+    if table is None or table.numel() < n:
+        size = 1 << (max(n, 2) - 1).bit_length()
+        table = torch.arange(size, device=device, dtype=torch.float64).log1p_().mul_(2.0 / d).sqrt_().float()
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _GAIN_TABLES[(device, d)] = table
+    return table
+
+
 @functools.lru_cache(maxsize=64)
 def _norms_meta(d: int) -> dict:
     """row_norms_kernel's constexprs for rows of d elements (~8k elements a program)."""
@@ -271,7 +288,8 @@ def live_tiles(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, scale: floa
     m, n = grain
     live = _new_map(q, k, grain)
     threshold_live_tiles_kernel[(live.shape[1], b * hq)](
-        q, k, beta, _margin(q, k, scale), live, *q.stride(), *k.stride(), hq, hq // hkv, tq, tk, scale, 2.0 / kw["D"],
+        q, k, beta, gain_table(q.device, kw["D"], tk + m), _margin(q, k, scale), live, *q.stride(), *k.stride(),
+        hq, hq // hkv, tq, tk, scale,
         D=kw["D"], BLOCK_D=kw["BLOCK_D"], BLOCK_M=m, BLOCK_N=n, PRECISION=kw["PRECISION"], UPCAST=kw["UPCAST"],
         num_warps=4 if m * n <= 64 * 64 else 8, num_stages=3,
     )
@@ -352,8 +370,9 @@ def triton_forward(
         margin = _margin(q, k, scale, k_norms if kw["ROW_SCALE"] else None)
         live = _new_map(q, k, (cfg.block_m, cfg.block_n))
     _FWD(
-        grid, (*srcs, out, beta, k_norms, beta if margin is None else margin, beta if live is None else live),
-        (*q.stride(), *k.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power, 2.0 / d),
+        grid, (*srcs, out, beta, gain_table(q.device, d, tk + cfg.block_m), k_norms, beta if margin is None else margin,
+               beta if live is None else live),
+        (*q.stride(), *k.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power),
         kw, USE_TMA=use_tma,
     )
     return out, live
@@ -378,7 +397,8 @@ def triton_backward(
     (fwd_cfg, _), (dkv_cfg, dkv_kw), (dq_cfg, dq_kw) = _problem_plan(q, k, v, power, configs, skip_zero)
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
-    scalars = (tq, tk, scale, power, 2.0 / d)
+    scalars = (tq, tk, scale, power)
+    gains = gain_table(q.device, d, tk + max(dkv_cfg.block_m, dq_cfg.block_m))  # (>= Tk + BLOCK_M,)
     dq, dk, dval = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if dq_kw["ROW_SCALE"]:  # the norms the fp16 row scales are bounded by; else unused (beta is passed)
         qdo_norms = stacked_row_norms(q, dout)  # (B, Hq, 2, Tq)
@@ -404,7 +424,7 @@ def triton_backward(
     m, n = dkv_cfg.block_m, dkv_cfg.block_n
     srcs, use_tma = _sources(dkv_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     _BWD_DKV(
-        (-(-tk // n), b * hkv), (*srcs, dk, dval, beta, qdo_norms, dkv_lists, dkv_counts),
+        (-(-tk // n), b * hkv), (*srcs, dk, dval, beta, gains, qdo_norms, dkv_lists, dkv_counts),
         (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dval.stride(), hkv, hq // hkv, *scalars),
         dkv_kw, USE_TMA=use_tma,
     )
@@ -413,7 +433,7 @@ def triton_backward(
     m, n = dq_cfg.block_m, dq_cfg.block_n
     srcs, use_tma = _sources(dq_cfg, inputs, (m, n, n, m), (bd, bd, bdv, bdv))
     _BWD_DQ(
-        (-(-tq // m), b * hq), (*srcs, dq, dbeta_rows, beta, kv_norms, dq_lists, dq_counts),
+        (-(-tq // m), b * hq), (*srcs, dq, dbeta_rows, beta, gains, kv_norms, dq_lists, dq_counts),
         (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), hq, hq // hkv, *scalars),
         dq_kw, BETA_GRAD=need_dbeta, USE_TMA=use_tma,
     )

@@ -21,7 +21,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2, t
 SUBLINEAR_GRAD_TOLERANCE = {torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 2.5e-2, torch.float64: 1e-10}
 
 # Triton signature types of the kernels' non-tensor-dtype pointer arguments, for the sm_90 compile tests
-KERNEL_POINTER_TYPES = {"BETA": "*fp32", "DBETA_ROWS": "*fp32", "ROW_NORMS": "*fp32", "MARGIN": "*fp32", "LIVE": "*i8",
+KERNEL_POINTER_TYPES = {"BETA": "*fp32", "GAINS": "*fp32", "DBETA_ROWS": "*fp32", "ROW_NORMS": "*fp32", "MARGIN": "*fp32", "LIVE": "*i8",
                         "LUT": "*i32", "COUNTS": "*i32"}
 
 

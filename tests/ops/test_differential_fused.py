@@ -417,18 +417,19 @@ def test_kernels_compile_for_hopper(tmp_path):
         from triton.compiler import ASTSource
         from lit_thresh.ops import triton_differential as td
 
-        cases = [("diff_threshold_fwd_kernel", "fwd", 9, "fp16", torch.float16, 256, 256, 1.5, False),
-                 ("diff_threshold_bwd_dkv_kernel", "bwd_dkv", 12, "bf16", torch.bfloat16, 64, 128, 2.0, True),
-                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 13, "fp32", torch.float32, 200, 72, 1.0, False),
-                 ("diff_threshold_fwd_kernel", "fwd", 9, "bf16", torch.bfloat16, 128, 128, 2.0, False),
-                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", 13, "fp16", torch.float16, 128, 128, 2.0, False)]
-        cases += [("diff_threshold_fwd_kernel", "fwd", 9, "fp16", torch.float16, 128, 128, p, False) for p in (1.0, 2.0, 0.5)]
-        cases += [("diff_threshold_bwd_dkv_kernel", "bwd_dkv", 12, "fp16", torch.float16, 128, 128, p, False)
+        cases = [("diff_threshold_fwd_kernel", "fwd", "fp16", torch.float16, 256, 256, 1.5, False),
+                 ("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "bf16", torch.bfloat16, 64, 128, 2.0, True),
+                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp32", torch.float32, 200, 72, 1.0, False),
+                 ("diff_threshold_fwd_kernel", "fwd", "bf16", torch.bfloat16, 128, 128, 2.0, False),
+                 ("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, 2.0, False)]
+        cases += [("diff_threshold_fwd_kernel", "fwd", "fp16", torch.float16, 128, 128, p, False) for p in (1.0, 2.0, 0.5)]
+        cases += [("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "fp16", torch.float16, 128, 128, p, False)
                   for p in (1.0, 2.0, 1.5, 0.5)]
-        cases += [("diff_threshold_bwd_dq_kernel", "bwd_dq", 13, "fp16", torch.float16, 128, 128, p, False)
+        cases += [("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, p, False)
                   for p in (1.0, 1.5, 0.5)]
-        for name, which, n_ptr, dtype, torch_dtype, d, dv, power, skip in cases:
+        for name, which, dtype, torch_dtype, d, dv, power, skip in cases:
             kernel, cfg = getattr(td, name), getattr(td.default_diff_configs(max(d, dv), torch_dtype), which)
+            n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))  # pointers first
             flags = (("BETA_GRAD", True), ("LAM_GRAD", True)) if which == "bwd_dq" else ()
             meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
                             torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)
@@ -438,9 +439,9 @@ def test_kernels_compile_for_hopper(tmp_path):
                 if arg in consts:
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
-                    sig[arg] = "*fp32" if arg in ("BETA", "LAM", "DBETA_ROWS", "DLAM_ROWS", "ROW_NORMS") else f"*{dtype}"
+                    sig[arg] = "*fp32" if arg in ("BETA", "GAINS", "LAM", "DBETA_ROWS", "DLAM_ROWS", "ROW_NORMS") else f"*{dtype}"
                 else:
-                    sig[arg] = "fp64" if arg in ("scale", "power", "gain_coef") else "i32"
+                    sig[arg] = "fp64" if arg in ("scale", "power") else "i32"
             compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
             assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)

@@ -184,7 +184,7 @@ def test_kernels_compile_for_hopper(tmp_path):
                     sig[arg] = "constexpr"
                 elif i < n_ptr:
                     sig[arg] = POINTER_TYPES.get(arg, f"*{dtype}")
-                elif arg in ("scale", "power", "gain_coef"):
+                elif arg in ("scale", "power"):
                     sig[arg] = float_type
                 else:
                     sig[arg] = "i32"

@@ -256,3 +256,69 @@ def test_calls_captured_into_a_cuda_graph_keep_tma():
     graph.replay()
     assert captured
     assert rel_err(out, eager) < TOLERANCE[torch.bfloat16]
+
+
+def test_gain_table_is_tau_over_beta_in_fp32_cached_and_grown():
+    """gain_table: sqrt(2 ln(pos + 1) / d) rounded once to fp32, at least n long (a power of 2), the same tensor
+    while it is long enough, a longer one when it is not."""
+    from lit_thresh.ops.reference import threshold_gain
+
+    key = (torch.device("cpu"), 40)
+    triton_launch._GAIN_TABLES.pop(key, None)
+    table = triton_launch.gain_table(torch.device("cpu"), 40, 100)
+    assert table.dtype == torch.float32 and table.numel() == 128
+    exact = threshold_gain(torch.arange(128), 40, torch.float64)
+    assert torch.equal(table, exact.float())
+    assert triton_launch.gain_table(torch.device("cpu"), 40, 128) is table  # cached
+    longer = triton_launch.gain_table(torch.device("cpu"), 40, 129)
+    assert longer.numel() == 256 and torch.equal(longer[:128], table)
+    assert triton_launch.gain_table(torch.device("cpu"), 40, 5) is longer
+    triton_launch._GAIN_TABLES.pop(key)
+
+
+@pytest.mark.parametrize("op", ["single", "differential"])
+def test_every_kernel_reads_tau_from_the_gain_table(op, monkeypatch):
+    """The kernels take tau's position factor from the launcher's table, nowhere else: with a table of zeros
+    (the cache left alone) the forward and every gradient are the reference's at beta = 0."""
+    from lit_thresh.ops import differential_threshold_attention, triton_differential
+    from lit_thresh.ops.reference import differential_threshold_attention_reference
+
+    def zeros(device, d, n):
+        return torch.zeros(1 << max(n - 1, 1).bit_length(), device=device)
+
+    monkeypatch.setattr(triton_launch, "gain_table", zeros)
+    monkeypatch.setattr(triton_differential, "gain_table", zeros)
+    gen = generator("gain-table", op)
+    inputs = [randn(gen, 1, 2, 45, 16).requires_grad_() for _ in range(3 if op == "single" else 5)]
+    beta = torch.tensor([0.7, -1.3], requires_grad=True)
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    beta0 = torch.zeros(2, dtype=torch.float64)
+    if op == "single":
+        out = threshold_attention(*inputs, beta, 2.0, backend="triton")
+        ref = threshold_attention_reference(*ref_inputs, beta0, 2.0)
+    else:
+        out = differential_threshold_attention(*inputs, beta, 0.4, 2.0, backend="triton")
+        ref = differential_threshold_attention_reference(*ref_inputs, beta0, 0.4, 2.0, normalize=False)
+    dout = randn(gen, *out.shape)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, dout.double())
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    assert all(rel_err(g, r) < TOLERANCE[torch.float32] for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.gpu
+def test_a_gain_table_first_needed_in_a_cuda_graph_capture_is_not_cached():
+    """A table made while a graph is being captured has its values only when the graph runs: the replay is
+    right, and the cache does not keep it for eager calls."""
+    d = 40  # a head dim no other test uses, so its table is not cached yet
+    q = torch.randn(1, 2, 128, d, device="cuda")
+    triton_launch._GAIN_TABLES.pop((q.device, d), None)
+    eager = threshold_attention(q, q, q, 0.5)  # compiles the kernels outside the capture
+    triton_launch._GAIN_TABLES.pop((q.device, d))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = threshold_attention(q, q, q, 0.5)
+    assert (q.device, d) not in triton_launch._GAIN_TABLES
+    graph.replay()
+    assert rel_err(out, eager) < TOLERANCE[torch.float32]
+    assert (q.device, d) not in triton_launch._GAIN_TABLES

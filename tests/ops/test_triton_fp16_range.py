@@ -237,7 +237,7 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
                     sig[arg] = POINTER_TYPES.get(arg, "*fp16")
                     attrs[(i,)] = [["tt.divisibility", 16]]
                 else:
-                    sig[arg] = "fp64" if arg in ("scale", "power", "gain_coef") else "i32"
+                    sig[arg] = "fp64" if arg in ("scale", "power") else "i32"
                     if arg.startswith("stride_") and not arg.endswith("d"):
                         attrs[(i,)] = [["tt.divisibility", 16]]
             for arg in kernel.arg_names:  # unit last strides, as a launch specialises them
