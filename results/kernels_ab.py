@@ -3,11 +3,14 @@ forward+backward and the fused differential op's forward+backward, interleaved, 
 `triton.testing.do_bench`, against SDPA-cuDNN. Made results/kernels_ab_2026-12-05.txt on one H200 (session 20;
 lit_thresh/ops/PERF.md v15), with four copies: `old` = 4e8b659, `table` = 7531581, and `relu` and `pfold`, two
 states of the working tree between them (ReLU as one max.NaN; then also the p of dS folded), which were not
-committed. Each version is a copy of the package renamed lit_thresh_<name>:
+committed, so the recipe below makes the old and table columns only. Each version is a copy of the package
+renamed lit_thresh_<name>:
 
+    mkdir -p /tmp/ab
     for name in old:4e8b659 table:7531581; do
         git archive ${name#*:} lit_thresh | tar -x -C /tmp/ab && mv /tmp/ab/lit_thresh /tmp/ab/lit_thresh_${name%%:*}
-        grep -rl lit_thresh /tmp/ab/lit_thresh_${name%%:*} | xargs sed -i "s/\\blit_thresh\\./lit_thresh_${name%%:*}./g"
+        grep -rl --include=*.py lit_thresh /tmp/ab/lit_thresh_${name%%:*} | xargs sed -i \
+            -e "s/\\blit_thresh\\./lit_thresh_${name%%:*}./g" -e "s/from lit_thresh import/from lit_thresh_${name%%:*} import/"
     done
     PYTHONPATH=/tmp/ab python results/kernels_ab.py kernels_ab.txt old,table
 
@@ -127,6 +130,8 @@ def main(out_path: str, names: list[str]) -> None:
                 parts.append(part)
             cud = "" if kind == "dfb" else f" | cudnn {med[f'cudnn {kind}']:.3f} ({spread[f'cudnn {kind}']:.1f}%)"
             log(f"   {kind:4s}: " + " | ".join(parts) + cud)
+        del q, k, v, q2, k2, do
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

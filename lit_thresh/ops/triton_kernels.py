@@ -784,7 +784,7 @@ def threshold_bwd_dq_kernel(
         v_max = _finite_max(norms + TK, 0, n_end)
         base = tl.abs(scale) * _row_norms(q) * k_max + tl.maximum(-tau, 0.0)  # (BLOCK_M,) >= every score of the row
         ds_exp = _fp16_exp(_log2_grad_bound(base, tl.log2(_row_norms(do)) + tl.log2(v_max), power, POWER_MODE))
-        if POWER_MODE == 2:  # folded into the scores, free: dS = dP 2x scales with x (dbeta sums too)
+        if POWER_MODE == 2:  # folded into the scores, free: dS / p = dP x scales with x (dbeta sums too)
             x_scale = (scale * tl.exp2(-ds_exp))[:, None]  # (BLOCK_M, 1)
             tau = tau * tl.exp2(-ds_exp)
         else:

@@ -183,19 +183,37 @@ def _problem_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: floa
 
 
 _GAIN_TABLES: dict[tuple[torch.device, int], torch.Tensor] = {}
+_RETIRED_GAIN_TABLES: list[torch.Tensor] = []  # tables outgrown: kept, as a CUDA graph captured before may read them
+
+
+def _make_gain_table(size: int, d: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(size, device=device, dtype=torch.float64).log1p_().mul_(2.0 / d).sqrt_().float()  # (size,)
 
 
 def gain_table(device: torch.device, d: int, n: int) -> torch.Tensor:
     """sqrt(2 ln(pos + 1) / d) for every position pos < n at least, fp32 on `device` (the kernels' GAINS):
     tau_i = beta * table[pos_i], one table for every kernel of a call, so they all see the same tau. Made in
-    float64 and cached per (device, d), at the next power of 2 of n; while a CUDA graph is being captured a
-    table not yet cached is made by the graph and not kept (its values exist only once the graph runs)."""
-    table = _GAIN_TABLES.get((device, d))
-    if table is None or table.numel() < n:
-        size = 1 << (max(n, 2) - 1).bit_length()
-        table = torch.arange(size, device=device, dtype=torch.float64).log1p_().mul_(2.0 / d).sqrt_().float()
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _GAIN_TABLES[(device, d)] = table
+    float64 and cached per (device, d), at the next power of 2 of n; an outgrown table is kept alive, since a
+    CUDA graph captured before may read it. A cached CUDA table is made on a side stream, then waited for: no
+    memory pool that takes the current stream's allocations (a CUDA graph's, in torch.compile's warm-up runs)
+    holds it. While a CUDA graph is being captured, a table not yet cached is made by the graph and not kept
+    (its values exist only once the graph runs)."""
+    old = _GAIN_TABLES.get((device, d))
+    if old is not None and old.numel() >= n:
+        return old
+    size = 1 << (max(n, 2) - 1).bit_length()
+    if device.type != "cuda":
+        table = _make_gain_table(size, d, device)
+    elif torch.cuda.is_current_stream_capturing():
+        return _make_gain_table(size, d, device)
+    else:
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            table = _make_gain_table(size, d, device)
+        side.synchronize()  # once per table: then every stream may read it
+    if old is not None:
+        _RETIRED_GAIN_TABLES.append(old)
+    _GAIN_TABLES[(device, d)] = table
     return table
 
 

@@ -258,28 +258,30 @@ def test_calls_captured_into_a_cuda_graph_keep_tma():
     assert rel_err(out, eager) < TOLERANCE[torch.bfloat16]
 
 
-def test_gain_table_is_tau_over_beta_in_fp32_cached_and_grown():
+def test_gain_table_is_tau_over_beta_in_fp32_cached_grown_and_outgrown_tables_kept(monkeypatch):
     """gain_table: sqrt(2 ln(pos + 1) / d) rounded once to fp32, at least n long (a power of 2), the same tensor
-    while it is long enough, a longer one when it is not."""
+    while it is long enough, a longer one when it is not; the outgrown one stays alive (a CUDA graph may read it)."""
     from lit_thresh.ops.reference import threshold_gain
 
-    key = (torch.device("cpu"), 40)
-    triton_launch._GAIN_TABLES.pop(key, None)
-    table = triton_launch.gain_table(torch.device("cpu"), 40, 100)
+    monkeypatch.setattr(triton_launch, "_GAIN_TABLES", {})
+    monkeypatch.setattr(triton_launch, "_RETIRED_GAIN_TABLES", [])
+    cpu = torch.device("cpu")
+    table = triton_launch.gain_table(cpu, 40, 100)
     assert table.dtype == torch.float32 and table.numel() == 128
-    exact = threshold_gain(torch.arange(128), 40, torch.float64)
-    assert torch.equal(table, exact.float())
-    assert triton_launch.gain_table(torch.device("cpu"), 40, 128) is table  # cached
-    longer = triton_launch.gain_table(torch.device("cpu"), 40, 129)
+    assert torch.equal(table, threshold_gain(torch.arange(128), 40, torch.float64).float())
+    assert triton_launch.gain_table(cpu, 40, 128) is table  # cached
+    longer = triton_launch.gain_table(cpu, 40, 129)
     assert longer.numel() == 256 and torch.equal(longer[:128], table)
-    assert triton_launch.gain_table(torch.device("cpu"), 40, 5) is longer
-    triton_launch._GAIN_TABLES.pop(key)
+    assert triton_launch.gain_table(cpu, 40, 5) is longer
+    assert triton_launch._RETIRED_GAIN_TABLES == [table]
+    assert triton_launch.gain_table(cpu, 64, 5) is not longer  # per head dim
 
 
-@pytest.mark.parametrize("op", ["single", "differential"])
-def test_every_kernel_reads_tau_from_the_gain_table(op, monkeypatch):
+@pytest.mark.parametrize("case", ["single-fp32", "single-fp16", "single-skip_zero", "single-prepass", "differential"])
+def test_every_kernel_reads_tau_from_the_gain_table(case, monkeypatch):
     """The kernels take tau's position factor from the launcher's table, nowhere else: with a table of zeros
-    (the cache left alone) the forward and every gradient are the reference's at beta = 0."""
+    (the cache left alone) the forward and every gradient are the reference's at beta = 0, and dbeta is 0. The
+    cases reach the fp16 row bounds, the forward's skip_zero map and the backward's pre-pass (live_tiles)."""
     from lit_thresh.ops import differential_threshold_attention, triton_differential
     from lit_thresh.ops.reference import differential_threshold_attention_reference
 
@@ -288,22 +290,33 @@ def test_every_kernel_reads_tau_from_the_gain_table(op, monkeypatch):
 
     monkeypatch.setattr(triton_launch, "gain_table", zeros)
     monkeypatch.setattr(triton_differential, "gain_table", zeros)
-    gen = generator("gain-table", op)
-    inputs = [randn(gen, 1, 2, 45, 16).requires_grad_() for _ in range(3 if op == "single" else 5)]
+    dtype = torch.float16 if case == "single-fp16" else torch.float32
+    gen = generator("gain-table", case)
+    inputs = [randn(gen, 1, 2, 45, 16, dtype=dtype).requires_grad_() for _ in range(5 if case == "differential" else 3)]
     beta = torch.tensor([0.7, -1.3], requires_grad=True)
     ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
     beta0 = torch.zeros(2, dtype=torch.float64)
-    if op == "single":
-        out = threshold_attention(*inputs, beta, 2.0, backend="triton")
-        ref = threshold_attention_reference(*ref_inputs, beta0, 2.0)
-    else:
+    dout = randn(gen, 1, 2, 45, 16, dtype=dtype)
+    if case == "differential":
         out = differential_threshold_attention(*inputs, beta, 0.4, 2.0, backend="triton")
         ref = differential_threshold_attention_reference(*ref_inputs, beta0, 0.4, 2.0, normalize=False)
-    dout = randn(gen, *out.shape)
-    grads = torch.autograd.grad(out, inputs, dout)
+    elif case == "single-prepass":  # the backward without the forward's map makes its own (live_tiles)
+        q, k, v = inputs
+        configs = triton_launch.skip_zero_configs(16, dtype)
+        out, _ = triton_launch.triton_forward(q, k, v, beta.detach(), 2.0, 1.0, configs)
+        dq, dk, dv, dbeta = triton_launch.triton_backward(q, k, v, beta.detach(), 2.0, 1.0, dout, True, configs)
+        ref = threshold_attention_reference(*ref_inputs, beta0, 2.0)
+    else:
+        out = threshold_attention(*inputs, beta, 2.0, backend="triton", skip_zero=case == "single-skip_zero")
+        ref = threshold_attention_reference(*ref_inputs, beta0, 2.0)
+    if case != "single-prepass":
+        *grads, dbeta = torch.autograd.grad(out, [*inputs, beta], dout)
+    else:
+        grads = [dq, dk, dv]
     ref_grads = torch.autograd.grad(ref, ref_inputs, dout.double())
-    assert rel_err(out, ref) < TOLERANCE[torch.float32]
-    assert all(rel_err(g, r) < TOLERANCE[torch.float32] for g, r in zip(grads, ref_grads))
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert all(rel_err(g, r) < TOLERANCE[dtype] for g, r in zip(grads, ref_grads))
+    assert torch.equal(dbeta, torch.zeros_like(dbeta))
 
 
 @pytest.mark.gpu
@@ -322,3 +335,21 @@ def test_a_gain_table_first_needed_in_a_cuda_graph_capture_is_not_cached():
     graph.replay()
     assert rel_err(out, eager) < TOLERANCE[torch.float32]
     assert (q.device, d) not in triton_launch._GAIN_TABLES
+
+
+@pytest.mark.gpu
+def test_a_graph_still_replays_right_after_its_gain_table_is_outgrown():
+    """A graph captured with one table keeps reading it after a longer call replaces it in the cache."""
+    d = 24  # a head dim no other test uses
+    q = torch.randn(1, 2, 100, d, device="cuda")
+    triton_launch._GAIN_TABLES.pop((q.device, d), None)
+    eager = threshold_attention(q, q, q, 0.5)  # makes and caches the table, compiles the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = threshold_attention(q, q, q, 0.5)
+    long = torch.randn(1, 2, 3000, d, device="cuda")
+    threshold_attention(long, long, long, 0.5)  # outgrows the table the graph reads
+    torch.cuda.empty_cache()
+    torch.randn(1 << 20, device="cuda")  # reuse freed memory, if the old table had been freed
+    graph.replay()
+    assert rel_err(out, eager) < TOLERANCE[torch.float32]
