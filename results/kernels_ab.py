@@ -6,13 +6,16 @@ states of the working tree between them (ReLU as one max.NaN; then also the p of
 committed, so the recipe below makes the old and table columns only. Each version is a copy of the package
 renamed lit_thresh_<name>:
 
-    mkdir -p /tmp/ab
+    rm -rf /tmp/ab && mkdir -p /tmp/ab
     for name in old:4e8b659 table:7531581; do
         git archive ${name#*:} lit_thresh | tar -x -C /tmp/ab && mv /tmp/ab/lit_thresh /tmp/ab/lit_thresh_${name%%:*}
         grep -rl --include=*.py lit_thresh /tmp/ab/lit_thresh_${name%%:*} | xargs sed -i \
             -e "s/\\blit_thresh\\./lit_thresh_${name%%:*}./g" -e "s/from lit_thresh import/from lit_thresh_${name%%:*} import/"
     done
     PYTHONPATH=/tmp/ab python results/kernels_ab.py kernels_ab.txt old,table
+
+The copies keep the torch.library op names of the package (lit_thresh::...); that is harmless only because
+these eager calls go through torch.autograd.Function, not through the registered custom ops.
 
 This file is a tidied copy of the session script that made it (the same steps and output; the copy itself has not
 run on a GPU)."""
@@ -130,8 +133,6 @@ def main(out_path: str, names: list[str]) -> None:
                 parts.append(part)
             cud = "" if kind == "dfb" else f" | cudnn {med[f'cudnn {kind}']:.3f} ({spread[f'cudnn {kind}']:.1f}%)"
             log(f"   {kind:4s}: " + " | ".join(parts) + cud)
-        del q, k, v, q2, k2, do
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -190,14 +191,28 @@ def _make_gain_table(size: int, d: int, device: torch.device) -> torch.Tensor:
     return torch.arange(size, device=device, dtype=torch.float64).log1p_().mul_(2.0 / d).sqrt_().float()  # (size,)
 
 
+def _made_on_another_thread(size: int, d: int, device: torch.device) -> torch.Tensor:
+    """_make_gain_table on a helper thread, finished before it returns. torch.compile's CUDA-graph warm-up
+    routes every allocation of the calling thread (on any stream) into its graphs' private pool, whose state
+    it may later reset under a live tensor; another thread's allocations stay in the default pool."""
+    def make() -> torch.Tensor:
+        with torch.cuda.device(device):
+            table = _make_gain_table(size, d, device)
+            torch.cuda.current_stream(device).synchronize()  # ready before any stream of any thread reads it
+            return table
+
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        return worker.submit(make).result()
+
+
 def gain_table(device: torch.device, d: int, n: int) -> torch.Tensor:
     """sqrt(2 ln(pos + 1) / d) for every position pos < n at least, fp32 on `device` (the kernels' GAINS):
     tau_i = beta * table[pos_i], one table for every kernel of a call, so they all see the same tau. Made in
     float64 and cached per (device, d), at the next power of 2 of n; an outgrown table is kept alive, since a
-    CUDA graph captured before may read it. A cached CUDA table is made on a side stream, then waited for: no
-    memory pool that takes the current stream's allocations (a CUDA graph's, in torch.compile's warm-up runs)
-    holds it. While a CUDA graph is being captured, a table not yet cached is made by the graph and not kept
-    (its values exist only once the graph runs)."""
+    CUDA graph captured before may read it. A cached CUDA table is made on a helper thread
+    (_made_on_another_thread), outside any CUDA graph's memory pool. While a CUDA graph is being captured, a
+    table not cached, or cached but too short, is made by the graph and not kept (its values exist only
+    once the graph runs)."""
     old = _GAIN_TABLES.get((device, d))
     if old is not None and old.numel() >= n:
         return old
@@ -207,10 +222,7 @@ def gain_table(device: torch.device, d: int, n: int) -> torch.Tensor:
     elif torch.cuda.is_current_stream_capturing():
         return _make_gain_table(size, d, device)
     else:
-        side = torch.cuda.Stream(device)
-        with torch.cuda.stream(side):
-            table = _make_gain_table(size, d, device)
-        side.synchronize()  # once per table: then every stream may read it
+        table = _made_on_another_thread(size, d, device)
     if old is not None:
         _RETIRED_GAIN_TABLES.append(old)
     _GAIN_TABLES[(device, d)] = table

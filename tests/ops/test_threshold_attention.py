@@ -280,8 +280,9 @@ def test_gain_table_is_tau_over_beta_in_fp32_cached_grown_and_outgrown_tables_ke
 @pytest.mark.parametrize("case", ["single-fp32", "single-fp16", "single-skip_zero", "single-prepass", "differential"])
 def test_every_kernel_reads_tau_from_the_gain_table(case, monkeypatch):
     """The kernels take tau's position factor from the launcher's table, nowhere else: with a table of zeros
-    (the cache left alone) the forward and every gradient are the reference's at beta = 0, and dbeta is 0. The
-    cases reach the fp16 row bounds, the forward's skip_zero map and the backward's pre-pass (live_tiles)."""
+    (the cache left alone) the forward and every gradient are the reference's at beta = 0, and dbeta is 0.
+    beta is large, so tau computed any other way would zero almost every weight and tile; the cases reach the
+    fp16 row bounds, the forward's skip_zero map and the backward's pre-pass (live_tiles)."""
     from lit_thresh.ops import differential_threshold_attention, triton_differential
     from lit_thresh.ops.reference import differential_threshold_attention_reference
 
@@ -293,7 +294,7 @@ def test_every_kernel_reads_tau_from_the_gain_table(case, monkeypatch):
     dtype = torch.float16 if case == "single-fp16" else torch.float32
     gen = generator("gain-table", case)
     inputs = [randn(gen, 1, 2, 45, 16, dtype=dtype).requires_grad_() for _ in range(5 if case == "differential" else 3)]
-    beta = torch.tensor([0.7, -1.3], requires_grad=True)
+    beta = torch.tensor([50.0, 30.0], requires_grad=True)  # tau >= 7 beyond position 0, scores ~ N(0, 4)
     ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
     beta0 = torch.zeros(2, dtype=torch.float64)
     dout = randn(gen, 1, 2, 45, 16, dtype=dtype)
@@ -323,9 +324,9 @@ def test_every_kernel_reads_tau_from_the_gain_table(case, monkeypatch):
 def test_a_gain_table_first_needed_in_a_cuda_graph_capture_is_not_cached():
     """A table made while a graph is being captured has its values only when the graph runs: the replay is
     right, and the cache does not keep it for eager calls."""
-    d = 40  # a head dim no other test uses, so its table is not cached yet
+    d = 40
     q = torch.randn(1, 2, 128, d, device="cuda")
-    triton_launch._GAIN_TABLES.pop((q.device, d), None)
+    triton_launch._GAIN_TABLES.pop((q.device, d), None)  # as if no call had needed it yet
     eager = threshold_attention(q, q, q, 0.5)  # compiles the kernels outside the capture
     triton_launch._GAIN_TABLES.pop((q.device, d))
     graph = torch.cuda.CUDAGraph()
@@ -339,17 +340,39 @@ def test_a_gain_table_first_needed_in_a_cuda_graph_capture_is_not_cached():
 
 @pytest.mark.gpu
 def test_a_graph_still_replays_right_after_its_gain_table_is_outgrown():
-    """A graph captured with one table keeps reading it after a longer call replaces it in the cache."""
-    d = 24  # a head dim no other test uses
+    """A graph captured with one table keeps reading it after a longer call replaces it in the cache: the
+    outgrown table stays alive, and the replay is right."""
+    d = 24
     q = torch.randn(1, 2, 100, d, device="cuda")
     triton_launch._GAIN_TABLES.pop((q.device, d), None)
     eager = threshold_attention(q, q, q, 0.5)  # makes and caches the table, compiles the kernels
+    table = triton_launch._GAIN_TABLES[(q.device, d)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = threshold_attention(q, q, q, 0.5)
     long = torch.randn(1, 2, 3000, d, device="cuda")
     threshold_attention(long, long, long, 0.5)  # outgrows the table the graph reads
+    assert triton_launch._GAIN_TABLES[(q.device, d)] is not table
+    assert any(old is table for old in triton_launch._RETIRED_GAIN_TABLES)
     torch.cuda.empty_cache()
     torch.randn(1 << 20, device="cuda")  # reuse freed memory, if the old table had been freed
     graph.replay()
+    assert rel_err(out, eager) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.gpu
+def test_a_gain_table_made_in_a_compiled_warm_up_lies_outside_the_cuda_graph_pool():
+    """torch.compile's CUDA-graph warm-up sends the calling thread's allocations into its graphs' pool, whose
+    state it may reset under a live tensor: a table cached then must come from the default pool (id (0, 0))."""
+    d = 56
+    q = torch.randn(1, 2, 128, d, device="cuda")
+    triton_launch._GAIN_TABLES.pop((q.device, d), None)
+    compiled = torch.compile(lambda x: threshold_attention(x, x, x, 0.5), mode="reduce-overhead", fullgraph=True)
+    eager = threshold_attention(q, q, q, 0.5)
+    triton_launch._GAIN_TABLES.pop((q.device, d))
+    out = compiled(q)  # the first run is a warm-up inside the graphs' pool
+    table = triton_launch._GAIN_TABLES[(q.device, d)]
+    segment = next(s for s in torch.cuda.memory_snapshot()
+                   if s["address"] <= table.data_ptr() < s["address"] + s["total_size"])
+    assert segment["segment_pool_id"] == (0, 0)
     assert rel_err(out, eager) < TOLERANCE[torch.float32]
