@@ -86,16 +86,16 @@ def _default_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> K
             BlockConfig(32, 64, 4, 3),  # backward 3.08 ms with the old dq (was 4.62)
             BlockConfig(128, 64, 8, 4, tma=True),  # backward 1.98 ms with the new dkv (128x64 w8 s3: 2.07)
         )
-    if dtype == torch.bfloat16:  # fwd 0.285, dq 1.306 as before; backward 1.215 ms with this dkv (was 1.307)
-        return KernelConfigs(small, BlockConfig(32, 128, 4, 3, tma=True), small)
+    if dtype == torch.bfloat16:  # fwd 0.285, dq 1.306 as before; dkv re-swept in PERF.md v16 (backward 0.897 ms, was 0.963)
+        return KernelConfigs(small, BlockConfig(32, 64, 4, 3, tma=True), small)
     if head_dim > 64:  # float16, re-swept in PERF.md v7: fwd 0.594 ms (was 0.612); dK/dV and dQ kept
         return KernelConfigs(
             BlockConfig(128, 64, 8, 3, tma=True),
             BlockConfig(64, 128, 8, 3, tma=True),
             BlockConfig(128, 64, 8, 3, tma=True),
         )
-    return KernelConfigs(  # float16, D <= 64, re-swept in PERF.md v7 (fwd 0.356 ms, was 0.371; backward 1.56, was 1.67)
-        BlockConfig(64, 64, 4, 3, tma=True), BlockConfig(32, 64, 4, 2, tma=True), small)
+    return KernelConfigs(  # float16, D <= 64, re-swept in PERF.md v7 (fwd 0.356 ms, was 0.371); dkv in v16 (backward 1.083, was 1.136)
+        BlockConfig(64, 64, 4, 3, tma=True), BlockConfig(64, 64, 4, 4, tma=True), small)
 
 
 def _block_dim(d: int) -> int:
