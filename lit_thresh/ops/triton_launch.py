@@ -54,7 +54,8 @@ class KernelConfigs:
 def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
     """Tiles per kernel for the larger of the q/k and v head dims (cached). fp16/bf16 up to D = 128: the
     fastest config per kernel of the H200 sweep (`python -m lit_thresh.bench --sweep`, T = 4096, B = 4,
-    H = 16; ms below, `was` = the previous default; see lit_thresh/ops/PERF.md), with TMA loads where they
+    H = 16; ms below, `was` = the previous default; see lit_thresh/ops/PERF.md; the bf16 D = 128 dK/dV tile from
+    an A/B on an H100, PERF.md v17), with TMA loads where they
     won by >= 3% (each TMA launch costs host time for its descriptors, so eager calls of less
     work than TMA_MIN_WORK load through pointers instead); skip_zero off (it pays only on
     maps with most tiles all zero). fp32 and D > 128: small-tile starting points, not tuned. Small tiles
@@ -83,7 +84,7 @@ def _default_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> K
     if dtype == torch.bfloat16 and head_dim > 64:
         return KernelConfigs(
             BlockConfig(128, 64, 8, 3, tma=True),  # fwd 0.490 ms (was 0.529)
-            BlockConfig(32, 64, 4, 3),  # backward 3.08 ms with the old dq (was 4.62)
+            BlockConfig(64, 128, 8, 3, tma=True),  # PERF.md v17, H100: backward 0.91-0.97x 32x64 w4 s3's at T >= 2048
             BlockConfig(128, 64, 8, 4, tma=True),  # backward 1.98 ms with the new dkv (128x64 w8 s3: 2.07)
         )
     if dtype == torch.bfloat16:  # fwd 0.285, dq 1.306 as before; dkv re-swept in PERF.md v16 (backward 0.897 ms, was 0.963)
