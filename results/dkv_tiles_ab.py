@@ -11,13 +11,12 @@ This file is a tidied copy of the session scripts that made it (the same calls a
 not run on a GPU).
 """
 
-import statistics
 import sys
 
 import torch
 import triton
 
-from lit_thresh.bench import _sweep_call, _sweep_inputs
+from lit_thresh.bench import _sweep_call, _sweep_inputs, median_spread
 from lit_thresh.ops.triton_launch import BlockConfig
 
 TILES = {
@@ -40,12 +39,12 @@ def main(dtypes: list[str], seq_lens: list[int], tiles: list[BlockConfig]) -> No
             for _ in range(5):
                 for cfg, fn in fns.items():
                     ms[cfg].append(triton.testing.do_bench(fn, warmup=10, rep=40))
-            first = statistics.median(ms[tiles[0]])
+            first = median_spread(ms[tiles[0]])[0]
             cells = []
             for cfg, times in ms.items():
-                med = statistics.median(times)
+                med, spread = median_spread(times)
                 cells.append(f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}{' tma' if cfg.tma else ''} "
-                             f"{med:.3f} ({(max(times) - min(times)) / med * 100:.0f}%, x{med / first:.3f})")
+                             f"{med:.3f} ({spread * 100:.0f}%, x{med / first:.3f})")
             print(f"{str(dtype)[6:]} T={t}: " + " | ".join(cells), flush=True)
 
 
