@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from lit_thresh.ops.triton_kernels import _finite_max
 from lit_thresh.ops.triton_launch import _margin, stacked_row_norms
 from tests.ops.helpers import generator, randn
 
@@ -58,3 +61,26 @@ def test_margin_is_one_percent_of_the_largest_possible_score():
     assert torch.allclose(_margin(q, k, -0.5).double(), expected.reshape(1), rtol=1e-6)
     k[0, 0, 4, 0] = float("inf")
     assert _margin(q, k, 0.5).isnan().all()  # keeps every tile
+
+
+@triton.jit
+def _finite_max_kernel(NORMS, BOUNDS, OUT):
+    i = tl.program_id(0)
+    tl.store(OUT + i, _finite_max(NORMS, tl.load(BOUNDS + 2 * i), tl.load(BOUNDS + 2 * i + 1)))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_finite_max_scans_ranges_over_several_trips_leaving_out_inf_and_nan(device):
+    """The kernels' scan of the norms (_finite_max, 256 a trip) against torch over ranges that start and end
+    inside a trip, span several, hold one norm or none, and whose largest norm is inf, NaN or in the last trip."""
+    norms = torch.rand(10_001, generator=generator("finite max"), dtype=torch.float64).float().to(device)  # (T,)
+    norms[9000], norms[100], norms[5000] = float("inf"), float("nan"), 7.0
+    ranges = [(0, 10_001), (1, 257), (255, 257), (101, 1024), (8999, 9001), (9001, 10_001), (5001, 10_001),
+              (3, 4), (5000, 5001), (7, 7), (9000, 9001)]
+    bounds = torch.tensor(ranges, dtype=torch.int32, device=device)
+    got = torch.empty(len(ranges), device=device)
+    _finite_max_kernel[(len(ranges),)](norms, bounds, got)
+    for (lo, hi), value in zip(ranges, got.tolist()):
+        part = norms[lo:hi]
+        finite = part[torch.isfinite(part)]
+        assert value == (finite.max().item() if finite.numel() else 0.0), (lo, hi)
