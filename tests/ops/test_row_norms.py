@@ -71,12 +71,13 @@ def _finite_max_kernel(NORMS, BOUNDS, OUT):
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_finite_max_scans_ranges_over_several_trips_leaving_out_inf_and_nan(device):
-    """The kernels' scan of the norms (_finite_max, 256 a trip) against torch over ranges that start and end
-    inside a trip, span several, hold one norm or none, and whose largest norm is inf, NaN or in the last trip."""
+    """The kernels' scan of the norms (_finite_max, 256 a trip from lo) against torch over ranges of no norm,
+    one, under a trip, exactly one trip and many with a short last one, holding an inf, a NaN (left out, also
+    as a range's only or last norm) or the largest norm as their last."""
     norms = torch.rand(10_001, generator=generator("finite max"), dtype=torch.float64).float().to(device)  # (T,)
     norms[9000], norms[100], norms[5000] = float("inf"), float("nan"), 7.0
     ranges = [(0, 10_001), (1, 257), (255, 257), (101, 1024), (8999, 9001), (9001, 10_001), (5001, 10_001),
-              (3, 4), (5000, 5001), (7, 7), (9000, 9001)]
+              (3, 4), (5000, 5001), (7, 7), (9000, 9001), (4745, 5001), (0, 101), (100, 101)]
     bounds = torch.tensor(ranges, dtype=torch.int32, device=device)
     got = torch.empty(len(ranges), device=device)
     _finite_max_kernel[(len(ranges),)](norms, bounds, got)
