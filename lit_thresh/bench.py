@@ -395,10 +395,10 @@ def triton_path_launches():
     return _swapped_launches(TritonPath)
 
 
-def _host_us(fn: Callable[[], object], calls: int) -> float:
-    """Host time per call, the loop never synchronising: on tiny inputs the GPU keeps up, so this is the
-    host's part alone, apart from kernel time."""
-    for _ in range(20):
+def _host_us(fn: Callable[[], object], calls: int, warmup: int = 20) -> float:
+    """Host time per call after `warmup` calls, the loop never synchronising: on tiny inputs the GPU keeps
+    up, so this is the host's part alone, apart from kernel time."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -13,11 +13,11 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from lit_thresh.bench import _host_us
 from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.fast_launch import FastLaunch
 from lit_thresh.ops.triton_launch import triton_backward, triton_forward
@@ -125,25 +125,13 @@ single_thread = {"ours fwd+bwd [engine single-threaded]": cases["ours fwd+bwd"],
                  "Ident fwd+bwd [engine single-threaded]": cases["Ident fwd+bwd (engine + Python node + 4 accumulates)"]}
 
 
-def host_us(fn, n=N):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
-
 times = {name: [] for name in list(cases) + list(single_thread)}
 for _ in range(ROUNDS):
     for name, fn in cases.items():
-        times[name].append(host_us(fn))
+        times[name].append(_host_us(fn, N, warmup=10))
     with torch.autograd.set_multithreading_enabled(False):
         for name, fn in single_thread.items():
-            times[name].append(host_us(fn))
+            times[name].append(_host_us(fn, N, warmup=10))
 print(f"{torch.cuda.get_device_name()}: host us per call, median [min - max] of {ROUNDS} loops of {N}")
 for name, t in times.items():
     print(f"  {name:58s} {statistics.median(t):8.1f} [{min(t):.1f} - {max(t):.1f}]")
