@@ -12,9 +12,12 @@ instrumentation) and a kernel's changed globals are seen at a key's first launch
 pre-run hooks always takes Triton's path.
 
 This file is the only place that relies on Triton internals: `JITFunction.run` returning the
-`CompiledKernel`, and `CompiledKernel[grid](*every_argument)` launching it (constexprs included, in the
-kernel's parameter order). tests/ops/test_fast_launch.py fails when either moves. Under the interpreter
-every launch takes Triton's own path.
+`CompiledKernel`, and the body of `CompiledKernel[grid]`'s runner, which `launch` repeats without building
+the runner at every call: the current stream from Triton's driver, the launch metadata, then
+`CompiledKernel.run` with the launch hooks (so a profiler's hooks see these launches too) and every argument
+(constexprs included, in the kernel's parameter order). Where both hooks are empty `HookChain`s (as unless a
+profiler adds one), it passes None for them and for the metadata, which the launcher then skips. tests/ops/test_fast_launch.py fails when any of
+these moves. Under the interpreter every launch takes Triton's own path.
 """
 
 from __future__ import annotations
@@ -22,11 +25,34 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lit_thresh.ops.backend import triton_interpreting
 
 MAX_ENTRIES = 256  # compiled-kernel entries kept per kernel; lengths that change every call (decoding) refill it
+
+
+def current_stream(device: int) -> int:
+    """The raw handle of the device's current stream, as Triton's runner takes it."""
+    return driver.active.get_current_stream(device)
+
+
+def _hook(hook: object) -> object:
+    """A launch hook as the launcher takes it: None for an empty HookChain (calling one does nothing)."""
+    return None if isinstance(hook, HookChain) and not hook.calls else hook
+
+
+def launch(compiled, grid: tuple[int, int, int], device: int, args: tuple) -> None:
+    """Launch a compiled kernel on the device's current stream, as `compiled[grid](*args)` does; where no
+    launch hook is set, without building the launch metadata only hooks read."""
+    stream = current_stream(device)
+    enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+    metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *args)
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
+                 leave, *args)
 
 
 def _tensor_key(arg: torch.Tensor | TensorDescriptor) -> tuple:
@@ -56,7 +82,8 @@ class FastLaunch:
         if triton_interpreting():
             self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
             return
-        key = (id(constexprs), tuple(flags.items()), torch.cuda.current_device(), tuple(map(type, scalars)), scalars,
+        device = torch.cuda.current_device()
+        key = (id(constexprs), tuple(flags.items()), device, tuple(map(type, scalars)), scalars,
                *[_tensor_key(t) for t in tensors])  # a scalar's type too: 1 and 1.0 are equal keys, not Triton types
         entry = self.entries.get(key)
         if entry is None or getattr(self.kernel, "pre_run_hooks", None):  # the hooks run in Triton's path
@@ -67,13 +94,8 @@ class FastLaunch:
                 tail = self._tail(len(tensors) + len(scalars), {**constexprs, **flags})
                 self.entries[key] = (compiled, tail, constexprs)
             return
-        self.run(entry[0], grid, (*tensors, *scalars), entry[1])
+        launch(entry[0], (grid + (1, 1))[:3], device, (*tensors, *scalars, *entry[1]))
 
     def _tail(self, n_args: int, named: Mapping) -> tuple:
         """The values of the kernel's parameters after the first n_args: named ones, else their defaults."""
         return tuple(named[p.name] if p.name in named else p.default for p in self.kernel.params[n_args:])
-
-    @staticmethod
-    def run(compiled, grid: tuple[int, ...], args: tuple, tail: tuple) -> None:
-        """Launch a compiled kernel (grid padded to three dimensions) on the current stream."""
-        compiled[(grid + (1, 1))[:3]](*args, *tail)

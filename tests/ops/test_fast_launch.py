@@ -19,11 +19,16 @@ from tests.ops.helpers import TOLERANCE, generator, randn, reference_with_grads,
 
 
 def test_the_triton_internals_fast_launch_uses_are_where_it_expects_them():
-    """JITFunction.run returns the CompiledKernel it launched; CompiledKernel[grid] is a runner taking every
-    argument positionally; a JITFunction's params are its parameters in order, with their defaults."""
+    """JITFunction.run returns the CompiledKernel it launched; CompiledKernel[grid]'s runner does what
+    fast_launch.launch does (stream from the driver, launch metadata, then run with the hooks and every
+    argument); a JITFunction's params are its parameters in order, with their defaults."""
     assert "return kernel" in inspect.getsource(JITFunction.run)
-    runner_src = inspect.getsource(CompiledKernel.__getitem__)
-    assert "def runner(*args, stream=None)" in runner_src and "grid[2]" in runner_src
+    runner_src = " ".join(inspect.getsource(CompiledKernel.__getitem__).split())
+    assert "def runner(*args, stream=None)" in runner_src
+    assert "stream = driver.active.get_current_stream(device)" in runner_src
+    assert "launch_metadata = self.launch_metadata(grid, stream, *args)" in runner_src
+    assert ("self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)") in runner_src
     for kernel in (threshold_fwd_kernel, diff_threshold_bwd_dq_kernel):
         signature = inspect.signature(kernel.fn)
         params = JITFunction(kernel.fn).params  # as on a GPU (under the interpreter the kernels are wrapped otherwise)
@@ -32,13 +37,20 @@ def test_the_triton_internals_fast_launch_uses_are_where_it_expects_them():
 
 
 class _Compiled:
-    """Stands in for a CompiledKernel: records the launches of `compiled[grid](*args)`."""
+    """Stands in for a CompiledKernel: records the launches made through `run`, as
+    (grid, stream, launch metadata, enter hook, exit hook, args)."""
+
+    function, packed_metadata = "function", "packed metadata"
 
     def __init__(self):
         self.launches = []
 
-    def __getitem__(self, grid):
-        return lambda *args: self.launches.append((grid, args))
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid, stream)
+
+    def run(self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args):
+        assert (function, packed_metadata) == (self.function, self.packed_metadata)
+        self.launches.append(((gx, gy, gz), stream, launch_metadata, enter_hook, exit_hook, args))
 
 
 class _Param:
@@ -68,6 +80,7 @@ def compiled_mode(monkeypatch):
     """FastLaunch as on a GPU (not interpreting), on CPU tensors."""
     monkeypatch.setattr(fast_launch, "triton_interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fast_launch, "current_stream", lambda device: 1000 + device)
 
 
 def test_the_second_launch_goes_to_the_compiled_kernel_with_every_argument_in_order(compiled_mode):
@@ -79,9 +92,43 @@ def test_the_second_launch_goes_to_the_compiled_kernel_with_every_argument_in_or
     launch((5, 2), (x,), (7, 0.5), meta, FLAG=True)  # another constexpr: Triton's path again
     assert len(kernel.calls) == 2 and kernel.calls[1][2] == {"BLOCK": 32, "num_warps": 4, "FLAG": True}
     # the runtime arguments, then the constexprs in parameter order (FLAG from its default), grid padded to 3-D
-    assert kernel.compiled[0].launches == [((5, 2, 1), (x, 7, 0.5, 32, False))]
+    assert [launch[-1] for launch in kernel.compiled[0].launches] == [(x, 7, 0.5, 32, False)]
+    assert kernel.compiled[0].launches[0][0] == (5, 2, 1)
     launch((1,), (x,), (7, 0.5), meta, FLAG=True)
-    assert kernel.compiled[1].launches == [((1, 1, 1), (x, 7, 0.5, 32, True))]
+    assert [(launch[0], launch[-1]) for launch in kernel.compiled[1].launches] == [((1, 1, 1), (x, 7, 0.5, 32, True))]
+
+
+def test_a_direct_launch_gets_the_current_stream_its_metadata_and_tritons_launch_hooks(compiled_mode, monkeypatch):
+    """What Triton's runner passes to CompiledKernel.run: the current device's stream, the launch metadata
+    for that grid and stream, and the launch hooks in force at the call (a profiler sets them)."""
+    kernel, x = _Kernel(), torch.arange(8.0)
+    launch, meta = FastLaunch(kernel), {"BLOCK": 32}
+    launch((3,), (x,), (7, 0.5), meta)
+    enter, leave = object(), object()
+    monkeypatch.setattr(fast_launch.knobs.runtime, "launch_enter_hook", enter)
+    monkeypatch.setattr(fast_launch.knobs.runtime, "launch_exit_hook", leave)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    launch((3,), (x,), (7, 0.5), meta)  # device 2: another key, Triton's path
+    launch((3,), (x,), (7, 0.5), meta)
+    assert kernel.compiled[1].launches == [
+        ((3, 1, 1), 1002, ("metadata", (3, 1, 1), 1002), enter, leave, (x, 7, 0.5, 32, False))]
+
+
+def test_empty_hook_chains_are_passed_as_none_and_a_hook_added_to_one_is_passed(compiled_mode, monkeypatch):
+    """An empty HookChain (no profiler) is passed as None, and with both empty there is no launch metadata:
+    the launcher then skips both calls. Once a hook is added to a chain, it and the metadata are passed."""
+    kernel, x = _Kernel(), torch.arange(8.0)
+    launch, meta = FastLaunch(kernel), {"BLOCK": 32}
+    enter, leave = fast_launch.HookChain(), fast_launch.HookChain(reversed=True)
+    monkeypatch.setattr(fast_launch.knobs.runtime, "launch_enter_hook", enter)
+    monkeypatch.setattr(fast_launch.knobs.runtime, "launch_exit_hook", leave)
+    launch((3,), (x,), (7, 0.5), meta)
+    launch((3,), (x,), (7, 0.5), meta)
+    leave.add(print)
+    launch((3,), (x,), (7, 0.5), meta)
+    (_, _, meta0, enter0, leave0, _), (_, _, meta1, enter1, leave1, _) = kernel.compiled[0].launches
+    assert (meta0, enter0, leave0) == (None, None, None)
+    assert (meta1, enter1, leave1) == (("metadata", (3, 1, 1), 1000), None, leave)
 
 
 def test_what_triton_specialises_on_gets_its_own_compiled_kernel(compiled_mode):
@@ -141,3 +188,31 @@ def test_launches_after_the_first_match_the_reference_when_alignment_changes(dty
         for got, want in zip((q.grad, k.grad, v.grad, beta.grad), grads):
             assert rel_err(got, want) < TOLERANCE[dtype]
     assert len(triton_launch._FWD.entries) >= 2  # one per alignment (at least)
+
+
+@pytest.mark.gpu
+def test_a_launch_hook_sees_the_launches_that_skip_tritons_path():
+    """Launches through FastLaunch's kept kernels still reach Triton's launch_enter_hook (what profilers
+    such as Proton set), with the kernel's name in the launch metadata."""
+    import triton
+
+    from lit_thresh.ops import threshold_attention, triton_launch
+
+    gen = generator("fast-launch-hook", torch.bfloat16)
+    q, k, v = (randn(gen, 1, 2, 128, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3))  # (B, H, T, D)
+    beta = torch.tensor([0.5, 1.0], device="cuda")
+    threshold_attention(q, k, v, beta, 2.0, backend="triton")  # the first call compiles and keeps the kernel
+    entries = len(triton_launch._FWD.entries)
+    names = []
+
+    def hook(metadata) -> None:
+        names.append(metadata.get()["name"])
+
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        out = threshold_attention(q, k, v, beta, 2.0, backend="triton")
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(triton_launch._FWD.entries) == entries  # no new key: the kept kernel was launched
+    assert "threshold_fwd_kernel" in names
+    assert torch.isfinite(out).all()
