@@ -10,11 +10,12 @@ loops of 300 calls, in us (bench._host_us).
    over 300 calls, engine multi- and single-threaded.
 3. The same stamps with every thread of the process pinned to one core, then to two.
 
-Each version is a copy of the package renamed lit_thresh_<name> (the recipe of results/kernels_ab.py), e.g.
-main at HEAD~1 and direct at HEAD:
+Each version is a copy of the package renamed lit_thresh_<name> (the recipe of results/kernels_ab.py).
+host_engine_thread_2026-12-06_h100.txt was made on one H100 (session 25; lit_thresh/ops/PERF.md v19) with
+main = cabab49 and direct = e47809b (FastLaunch's launches without Triton's runner):
 
     rm -rf /tmp/ab && mkdir -p /tmp/ab
-    for name in main:HEAD~1 direct:HEAD; do
+    for name in main:cabab49 direct:e47809b; do
         git archive ${name#*:} lit_thresh | tar -x -C /tmp/ab && mv /tmp/ab/lit_thresh /tmp/ab/lit_thresh_${name%%:*}
         grep -rl --include=*.py lit_thresh /tmp/ab/lit_thresh_${name%%:*} | xargs sed -i \\
             -e "s/\\\\blit_thresh\\\\./lit_thresh_${name%%:*}./g" -e "s/from lit_thresh import/from lit_thresh_${name%%:*} import/"
