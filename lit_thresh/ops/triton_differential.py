@@ -201,18 +201,21 @@ def diff_threshold_fwd_kernel(
 def _diff_bwd_dkv_update(
     dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power, p_mul, ds1_mul, ds2_mul,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PART: tl.constexpr,
 ):
     """dK1, dK2, dV accumulators after one (key tile, query tile) pair with transposed scores (BLOCK_N, BLOCK_M);
-    with ROW_SCALE, the rows of P^T, dS1^T and dS2^T are multiplied by p_mul, ds1_mul and ds2_mul (BLOCK_N,) first."""
-    p1_t = _rectify(x1_t, power, POWER_MODE)
+    with ROW_SCALE, the rows of P^T, dS1^T and dS2^T are multiplied by p_mul, ds1_mul and ds2_mul (BLOCK_N,) first.
+    PART: 0 updates all three, 1 dK1 and dV, 2 dK2 alone (x1_t and q1 are then not read)."""
     p2_t = _rectify(x2_t, power, POWER_MODE)
-    dv = _dot_rows(p1_t - lam * p2_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
     dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
-    ds1_t = dp_t * _rectify_slope(x1_t, p1_t, power, POWER_MODE)  # dS1^T / p
-    ds2_t = -lam * dp_t * _rectify_slope(x2_t, p2_t, power, POWER_MODE)  # dS2^T / p
-    dk1 = _dot_rows(ds1_t, ds1_mul, q1, dk1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
-    dk2 = _dot_rows(ds2_t, ds2_mul, q2, dk2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
+    if PART != 2:
+        p1_t = _rectify(x1_t, power, POWER_MODE)
+        dv = _dot_rows(p1_t - lam * p2_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
+        ds1_t = dp_t * _rectify_slope(x1_t, p1_t, power, POWER_MODE)  # dS1^T / p
+        dk1 = _dot_rows(ds1_t, ds1_mul, q1, dk1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
+    if PART != 1:
+        ds2_t = -lam * dp_t * _rectify_slope(x2_t, p2_t, power, POWER_MODE)  # dS2^T / p
+        dk2 = _dot_rows(ds2_t, ds2_mul, q2, dk2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
     return dk1, dk2, dv
 
 
@@ -222,34 +225,39 @@ def _diff_bwd_dkv_inner(
     beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, PART: tl.constexpr,
 ):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_offs = offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
-        q1 = _load_tile(q1_base + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
         q2 = _load_tile(q2_base + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
         do = _load_tile(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
                         offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
         pos = offs_m + past
         tau = beta * _gain(GAINS, pos)  # (BLOCK_M,)
-        x1_t = _mma(k1, tl.trans(q1), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
         x2_t = _mma(k2, tl.trans(q2), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
         if CAUSAL_MASK:
             visible = offs_n[:, None] <= pos[None, :]
-            x1_t = tl.where(visible, x1_t, 0.0)
             x2_t = tl.where(visible, x2_t, 0.0)
+        if PART != 2:
+            q1 = _load_tile(q1_base + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+            x1_t = _mma(k1, tl.trans(q1), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
+            if CAUSAL_MASK:
+                x1_t = tl.where(visible, x1_t, 0.0)
+        else:  # dK2 alone: map 1 is not read
+            q1 = q2
+            x1_t = x2_t
         if SKIP_ZERO:
-            if _any_live(x1_t) | _any_live(x2_t):
+            if _any_live(x1_t) | _any_live(x2_t):  # x1_t is x2_t in part 2
                 dk1, dk2, dv = _diff_bwd_dkv_update(dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
                                                     p_mul, ds1_mul, ds2_mul,
-                                                    POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
+                                                    POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, PART)
         else:
             dk1, dk2, dv = _diff_bwd_dkv_update(dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
                                                 p_mul, ds1_mul, ds2_mul,
-                                                POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)
+                                                POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, PART)
     return dk1, dk2, dv
 
 
@@ -266,10 +274,11 @@ def diff_threshold_bwd_dkv_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr = False,
+    UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr = False, PART: tl.constexpr = 0,
 ):
     """One program: dK1, dK2, dV of BLOCK_N keys of one (batch, kv head), summed over the GROUP query heads
-    that share them (no atomics). Grid (cdiv(TK, BLOCK_N), B * HKV). ROW_SCALE (fp16, p >= 1): the rows of
+    that share them (no atomics); with PART 1 dK1 and dV only, with PART 2 dK2 only (bwd_dk2 in the configs).
+    Grid (cdiv(TK, BLOCK_N), B * HKV). ROW_SCALE (fp16, p >= 1): the rows of
     P^T, dS1^T and dS2^T scaled into fp16's range by a power of two per key each, from the norms ROW_NORMS
     (B * HKV * GROUP, 3, TQ) fp32, |q1_i|, |q2_i| then |dO_i| (unused otherwise); FP16_RANGE (fp16, p < 1):
     per-tile scaling instead. SKIP_ZERO: skip the work after the score products of query tiles where both
@@ -337,11 +346,13 @@ def diff_threshold_bwd_dkv_kernel(
         dk1, dk2, dv = _diff_bwd_dkv_inner(
             dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
             beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, m_lo, m_full,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO,
+            PART)
         dk1, dk2, dv = _diff_bwd_dkv_inner(
             dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
             beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, m_full, TQ,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO)
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO,
+            PART)
     if ROW_SCALE:
         dk1 = dk1 * tl.exp2(ds1_exp)[:, None]
         dk2 = dk2 * tl.exp2(ds2_exp)[:, None]
@@ -349,9 +360,11 @@ def diff_threshold_bwd_dkv_kernel(
 
     dk_offs = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
     dv_ptrs = dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
-    _store_tile(dK1 + dk_offs, (dk1 * (scale * power)).to(dK1.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
-    _store_tile(dK2 + dk_offs, (dk2 * (scale * power)).to(dK2.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
-    _store_tile(dv_ptrs, dv.to(dV.dtype.element_ty), offs_n, TK, offs_dv, DV, DV != BLOCK_DV)
+    if PART != 2:
+        _store_tile(dK1 + dk_offs, (dk1 * (scale * power)).to(dK1.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
+        _store_tile(dv_ptrs, dv.to(dV.dtype.element_ty), offs_n, TK, offs_dv, DV, DV != BLOCK_DV)
+    if PART != 1:
+        _store_tile(dK2 + dk_offs, (dk2 * (scale * power)).to(dK2.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
 
 
 @triton.jit
@@ -526,6 +539,9 @@ def _default_diff_configs(head_dim: int, dtype: torch.dtype, interpreting: bool)
             BlockConfig(128, 64, 8, 3),  # bf16 0.883, fp16 1.110 (64x64 w8 s3: 1.711, 2.043)
             BlockConfig(32, 64, 4, 2),  # bf16 4.41; fp16 5.45 in v7's sweep (64x64 w8 s2: 6.26)
             BlockConfig(64, 32, 4, 2) if fp16 else BlockConfig(128, 32, 8, 3),  # fp16 8.71, bf16 6.01
+            # dK2 in a second launch (PERF.md v20, one H100): bf16 forward+backward 0.963-0.969x the time of one
+            # dK/dV launch; fp16 0.986-0.989x, under the 3% rule, so one launch
+            None if fp16 else BlockConfig(64, 128, 8, 2),
         )
     return KernelConfigs(
         BlockConfig(64, 32, 4, 3) if fp16 else BlockConfig(128, 64, 8, 3),  # bf16 0.484; fp16 0.668 in v7 (128x64 w8 s3: 0.737)
@@ -636,23 +652,25 @@ def diff_triton_backward(
     k1, k2 = match_strides(k1, k2)
     cfgs = configs or default_diff_configs(max(d, dv), q1.dtype)
     scalars = (tq, tk, scale, power)
-    gains = gain_table(q1.device, d, tk + max(cfgs.bwd_dkv.block_m, cfgs.bwd_dq.block_m))  # (>= Tk + BLOCK_M,)
+    dk2_block_m = 0 if cfgs.bwd_dk2 is None else cfgs.bwd_dk2.block_m
+    gains = gain_table(q1.device, d, tk + max(cfgs.bwd_dkv.block_m, cfgs.bwd_dq.block_m, dk2_block_m))  # (>= Tk + BLOCK_M,)
     dq1, dq2 = torch.empty_like(q1), torch.empty_like(q1)
     dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
 
-    cfg = cfgs.bwd_dkv
-    meta = _kernel_meta(cfg, q1, d, dv, power, False)
-    if meta["ROW_SCALE"]:  # the norms the fp16 row scales are bounded by; else unused (beta is passed)
+    if _kernel_meta(cfgs.bwd_dkv, q1, d, dv, power, False)["ROW_SCALE"]:  # the norms the fp16 row scales are
+        # bounded by; else unused (beta is passed)
         qdo_norms = stacked_row_norms(q1, q2, dout)  # (B, Hq, 3, Tq)
         kv_norms = stacked_row_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
     else:
         qdo_norms = kv_norms = beta
-    _BWD_DKV(
-        (-(-tk // cfg.block_n), b * hkv), (q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, gains, lam, qdo_norms),
-        (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(), hkv, hq // hkv,
-         *scalars),
-        meta,
-    )
+    parts = ((cfgs.bwd_dkv, 0),) if cfgs.bwd_dk2 is None else ((cfgs.bwd_dkv, 1), (cfgs.bwd_dk2, 2))
+    for cfg, part in parts:  # all three gradients in one launch, or dK1 and dV, then dK2
+        _BWD_DKV(
+            (-(-tk // cfg.block_n), b * hkv), (q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, gains, lam, qdo_norms),
+            (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(), hkv, hq // hkv,
+             *scalars),
+            _kernel_meta(cfg, q1, d, dv, power, False), PART=part,
+        )
 
     cfg = cfgs.bwd_dq
     dbeta_rows, dlam_rows = (  # (B, Hq, Tq) each; dq1: a placeholder the kernel does not touch

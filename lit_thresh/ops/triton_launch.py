@@ -46,9 +46,14 @@ class BlockConfig:
 
 @dataclass(frozen=True)
 class KernelConfigs:
+    """One config per kernel. bwd_dk2 (the differential op only): None, or the tiles of a second dK/dV
+    launch that computes dK2 alone, the first (bwd_dkv) then computing dK1 and dV: two lighter kernels instead
+    of one with three accumulators."""
+
     fwd: BlockConfig
     bwd_dkv: BlockConfig
     bwd_dq: BlockConfig
+    bwd_dk2: BlockConfig | None = None
 
 
 def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:

@@ -272,6 +272,36 @@ def test_skip_zero_tiles_change_nothing(device):
     assert ref.abs().max() > 0 and rel_err(results[1][0], ref) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype,power,skip", [(torch.float32, 2.0, False), (torch.float16, 2.0, False),
+                                              (torch.float16, 0.5, False), (torch.bfloat16, 1.0, True)], ids=str)
+def test_dk2_in_a_second_launch_matches_one_launch_and_the_reference(device, dtype, power, skip):
+    """KernelConfigs.bwd_dk2: the dK/dV kernel runs twice, dK1 and dV at bwd_dkv's tiles, then dK2 at bwd_dk2's.
+    At the same tiles every gradient equals the single launch's bit for bit; at other tiles dK2 matches the
+    float64 reference. GQA, odd lengths, Tq < Tk, Dv != D; fp16 with row scales (p = 2) and per tile (p < 1)."""
+    gen = generator("diff_dk2_split", device, dtype, power, skip)
+    b, hq, hkv, tq, tk, d, dv = 1, 4, 2, 29, 45, 24, 40
+    (q1, q2, k1, k2, v), beta, lam = make_inputs(gen, device, dtype, b, hq, hkv, tq, tk, d, dv, "per_head", "per_head")
+    q1, q2, k1, k2, v, beta, lam = (t.detach() for t in (q1, q2, k1, k2, v, beta, lam))
+    dout = randn(gen, b, hq, tq, dv, dtype=dtype, device=device)
+    tile, other = BlockConfig(16, 16, skip_zero=skip), BlockConfig(32, 16, skip_zero=skip)
+
+    def grads(dk2_tile):
+        cfgs = KernelConfigs(tile, tile, tile, dk2_tile)
+        return diff_triton_backward(q1, q2, k1, k2, v, beta, lam, power, 0.7, dout, True, True, cfgs)
+
+    one, same, split = grads(None), grads(tile), grads(other)
+    for a, c in zip(one, same):
+        assert torch.equal(a, c)
+    wrt = [t.double().requires_grad_() for t in (q1, q2, k1, k2, v, beta, lam)]
+    ref_grads = torch.autograd.grad(differential_reference(*wrt, power, 0.7), wrt, dout.double())
+    grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
+    order = (0, 1, 2, 3, 4, 5, 6)  # dq1, dq2, dk1, dk2, dv, dbeta, dlam: the same order as the inputs
+    for name, i in zip(GRADS, order):
+        floor = rel_err(ref_grads[i].to(split[i].dtype), ref_grads[i])
+        assert rel_err(split[i], ref_grads[i]) < grad_tol + floor, name
+
+
 def test_equals_two_single_op_calls():
     """The fused op computes what two threshold_attention calls and a per-head lambda do (float64, torch)."""
     gen = generator("diff_two_calls")
@@ -427,10 +457,16 @@ def test_kernels_compile_for_hopper(tmp_path):
                   for p in (1.0, 2.0, 1.5, 0.5)]
         cases += [("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, p, False)
                   for p in (1.0, 1.5, 0.5)]
+        cases += [("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "bf16", torch.bfloat16, 128, 128, 2.0, True),
+                  ("diff_threshold_bwd_dkv_kernel", "bwd_dk2", "bf16", torch.bfloat16, 128, 128, 2.0, False)]
+        parts = {"bwd_dk2": 2}  # bf16 D = 128 computes dK2 in a second launch (bwd_dk2); bwd_dkv then computes the rest
         for name, which, dtype, torch_dtype, d, dv, power, skip in cases:
             kernel, cfg = getattr(td, name), getattr(td.default_diff_configs(max(d, dv), torch_dtype), which)
             n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))  # pointers first
             flags = (("BETA_GRAD", True), ("LAM_GRAD", True)) if which == "bwd_dq" else ()
+            if which.startswith("bwd_dk"):
+                split = td.default_diff_configs(max(d, dv), torch_dtype).bwd_dk2 is not None
+                flags = (("PART", parts.get(which, 1) if split else 0),)
             meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
                             torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)
             consts = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
