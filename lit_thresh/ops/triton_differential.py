@@ -657,8 +657,8 @@ def diff_triton_backward(
     dq1, dq2 = torch.empty_like(q1), torch.empty_like(q1)
     dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
 
-    if _kernel_meta(cfgs.bwd_dkv, q1, d, dv, power, False)["ROW_SCALE"]:  # the norms the fp16 row scales are
-        # bounded by; else unused (beta is passed)
+    # the norms that bound the fp16 row scales; else unused (beta is passed)
+    if _kernel_meta(cfgs.bwd_dkv, q1, d, dv, power, False)["ROW_SCALE"]:
         qdo_norms = stacked_row_norms(q1, q2, dout)  # (B, Hq, 3, Tq)
         kv_norms = stacked_row_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
     else:
