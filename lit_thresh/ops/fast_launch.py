@@ -15,9 +15,10 @@ This file is the only place that relies on Triton internals: `JITFunction.run` r
 `CompiledKernel`, and the body of `CompiledKernel[grid]`'s runner, which `launch` repeats without building
 the runner at every call: the current stream from Triton's driver, the launch metadata, then
 `CompiledKernel.run` with the launch hooks (so a profiler's hooks see these launches too) and every argument
-(constexprs included, in the kernel's parameter order). Where both hooks are empty `HookChain`s (as unless a
-profiler adds one), it passes None for them and for the metadata, which the launcher then skips. tests/ops/test_fast_launch.py fails when any of
-these moves. Under the interpreter every launch takes Triton's own path.
+(constexprs included, in the kernel's parameter order). An empty `HookChain` (Triton's hooks unless a
+profiler adds one) is passed as None, and with both empty so is the metadata: the launcher then skips them.
+tests/ops/test_fast_launch.py fails when any of these moves. Under the interpreter every launch takes
+Triton's own path.
 """
 
 from __future__ import annotations
