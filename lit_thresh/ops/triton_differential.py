@@ -652,8 +652,9 @@ def diff_triton_backward(
     k1, k2 = match_strides(k1, k2)
     cfgs = configs or default_diff_configs(max(d, dv), q1.dtype)
     scalars = (tq, tk, scale, power)
-    dk2_block_m = 0 if cfgs.bwd_dk2 is None else cfgs.bwd_dk2.block_m
-    gains = gain_table(q1.device, d, tk + max(cfgs.bwd_dkv.block_m, cfgs.bwd_dq.block_m, dk2_block_m))  # (>= Tk + BLOCK_M,)
+    parts = ((cfgs.bwd_dkv, 0),) if cfgs.bwd_dk2 is None else ((cfgs.bwd_dkv, 1), (cfgs.bwd_dk2, 2))
+    block_m = max(cfgs.bwd_dq.block_m, *(cfg.block_m for cfg, _ in parts))
+    gains = gain_table(q1.device, d, tk + block_m)  # (>= Tk + BLOCK_M,)
     dq1, dq2 = torch.empty_like(q1), torch.empty_like(q1)
     dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
 
@@ -663,7 +664,6 @@ def diff_triton_backward(
         kv_norms = stacked_row_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
     else:
         qdo_norms = kv_norms = beta
-    parts = ((cfgs.bwd_dkv, 0),) if cfgs.bwd_dk2 is None else ((cfgs.bwd_dkv, 1), (cfgs.bwd_dk2, 2))
     for cfg, part in parts:  # all three gradients in one launch, or dK1 and dV, then dK2
         _BWD_DKV(
             (-(-tk // cfg.block_n), b * hkv), (q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, gains, lam, qdo_norms),

@@ -296,8 +296,7 @@ def test_dk2_in_a_second_launch_matches_one_launch_and_the_reference(device, dty
     wrt = [t.double().requires_grad_() for t in (q1, q2, k1, k2, v, beta, lam)]
     ref_grads = torch.autograd.grad(differential_reference(*wrt, power, 0.7), wrt, dout.double())
     grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
-    order = (0, 1, 2, 3, 4, 5, 6)  # dq1, dq2, dk1, dk2, dv, dbeta, dlam: the same order as the inputs
-    for name, i in zip(GRADS, order):
+    for i, name in enumerate(GRADS):  # dq1, dq2, dk1, dk2, dv, dbeta, dlam: the inputs' order
         floor = rel_err(ref_grads[i].to(split[i].dtype), ref_grads[i])
         assert rel_err(split[i], ref_grads[i]) < grad_tol + floor, name
 
