@@ -7,7 +7,18 @@ decorates them), so it is set here, before any test module runs. Tests that need
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_call_plans(monkeypatch):
+    """Each test starts without kept call plans (lit_thresh/ops/call_plans.py) and leaves none behind: a plan
+    kept by one test would take another's calls past the launch path it means to test (TMA_MIN_WORK patched,
+    stand-in kernels)."""
+    from lit_thresh.ops import call_plans
+
+    monkeypatch.setattr(call_plans, "_PLANS", {})

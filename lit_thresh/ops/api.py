@@ -7,6 +7,7 @@ import numbers
 
 import torch
 
+from lit_thresh.ops import call_plans
 from lit_thresh.ops.backend import Backend, resolve_backend
 from lit_thresh.ops.differential_function import differential_threshold_attention_apply
 from lit_thresh.ops.function import threshold_attention_apply
@@ -84,6 +85,11 @@ def _beta_per_head(
     return torch.full((heads,), float(beta), device=device, dtype=dtype)
 
 
+def _device_type(t: torch.Tensor) -> str:
+    """t.device.type, for CUDA tensors without building a device object (host time per call)."""
+    return "cuda" if t.is_cuda else t.device.type
+
+
 def threshold_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,9 +117,26 @@ def threshold_attention(
     to record runs as without it: lit_thresh/ops/PERF.md v7, v13 and session 18.
     Returns (B, Hq, Tq, Dv) in the input dtype.
     """
-    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(device_type := _device_type(q)):
+        dtype = torch.get_autocast_dtype(device_type)
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+    key = call_plans.signature(q, k, v, beta, power, scale, backend, skip_zero)
+    plan = call_plans.plan_for(key)
+    if plan is None:  # the checks, then the op; the signature's plan kept once it comes again
+        return _checked_threshold_attention(q, k, v, beta, power, scale, backend, skip_zero, key)
+    if plan.beta is not None:
+        beta = plan.beta
+    elif plan.beta_converted:
+        beta = _beta_per_head(beta, q.shape[1], q.device, q.dtype)
+    return threshold_attention_apply(q, k, v, beta, plan.power, plan.scale, plan.backend, skip_zero, plan.forward)
+
+
+def _checked_threshold_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: float | torch.Tensor, power: float, scale: float,
+    backend: Backend, skip_zero: bool, key: tuple | None,
+) -> torch.Tensor:
+    """threshold_attention after autocast: its checks, the op, then the call's plan noted under key
+    (call_plans.remember)."""
     _check_qkv(q, k, v)
     power = check_power(power, "power")
     if not (type(scale) is float and math.isfinite(scale)):  # the common case first, cheaply
@@ -125,7 +148,23 @@ def threshold_attention(
     if type(skip_zero) is not bool:
         raise TypeError(f"skip_zero must be a bool, got {skip_zero!r}")
     beta_h = _beta_per_head(beta, q.shape[1], q.device, q.dtype)  # (Hq,)
-    return threshold_attention_apply(q, k, v, beta_h, power, scale, resolve_backend(backend, q), skip_zero)
+    backend = resolve_backend(backend, q)
+    out = threshold_attention_apply(q, k, v, beta_h, power, scale, backend, skip_zero)
+
+    def plan() -> call_plans.CallPlan:
+        forward = None
+        if backend == "triton" and q.numel():
+            from lit_thresh.ops.triton_launch import prepare_forward
+
+            forward = prepare_forward(q, k, v, beta_h, power, scale)
+        constant_beta = beta_h if type(beta) is float else None
+        if constant_beta is not None and constant_beta.is_cuda:  # filled on this stream, read on any later
+            torch.cuda.current_stream(constant_beta.device).synchronize()
+        return call_plans.CallPlan(backend, power, scale, constant_beta, beta_h is not beta and constant_beta is None,
+                                   forward)
+
+    call_plans.remember(key, plan)
+    return out
 
 
 def _check_same(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:

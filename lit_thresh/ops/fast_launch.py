@@ -64,6 +64,13 @@ def _tensor_key(arg: torch.Tensor | TensorDescriptor) -> tuple:
     return arg.dtype, arg.data_ptr() % 16 == 0
 
 
+def _key(device: int, tensors: tuple, scalars: tuple, constexprs: Mapping, flags: dict) -> tuple:
+    """What a compiled kernel is kept under: every scalar by value and type (1 and 1.0 are equal keys, not the
+    same Triton type), each tensor's _tensor_key, the constexprs' identity and the flags."""
+    return (id(constexprs), tuple(flags.items()), device, tuple(map(type, scalars)), scalars,
+            *[_tensor_key(t) for t in tensors])
+
+
 class FastLaunch:
     """Launches one Triton kernel: `launch(grid, tensors, scalars, constexprs, **flags)` does what
     `kernel[grid](*tensors, *scalars, **constexprs, **flags)` does. tensors: the leading runtime arguments
@@ -84,8 +91,7 @@ class FastLaunch:
             self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
             return
         device = torch.cuda.current_device()
-        key = (id(constexprs), tuple(flags.items()), device, tuple(map(type, scalars)), scalars,
-               *[_tensor_key(t) for t in tensors])  # a scalar's type too: 1 and 1.0 are equal keys, not Triton types
+        key = _key(device, tensors, scalars, constexprs, flags)
         entry = self.entries.get(key)
         if entry is None or getattr(self.kernel, "pre_run_hooks", None):  # the hooks run in Triton's path
             compiled = self.kernel[grid](*tensors, *scalars, **constexprs, **flags)
@@ -96,6 +102,14 @@ class FastLaunch:
                 self.entries[key] = (compiled, tail, constexprs)
             return
         launch(entry[0], (grid + (1, 1))[:3], device, (*tensors, *scalars, *entry[1]))
+
+    def kept(self, tensors: tuple, scalars: tuple, constexprs: Mapping, **flags: object) -> tuple | None:
+        """(the CompiledKernel, the trailing arguments) that a call with these arguments on the current device
+        launches directly, or None: not launched yet, interpreting, or a kernel with pre-run hooks."""
+        if triton_interpreting() or getattr(self.kernel, "pre_run_hooks", None):
+            return None
+        entry = self.entries.get(_key(torch.cuda.current_device(), tensors, scalars, constexprs, flags))
+        return None if entry is None else entry[:2]
 
     def _tail(self, n_args: int, named: Mapping) -> tuple:
         """The values of the kernel's parameters after the first n_args: named ones, else their defaults."""

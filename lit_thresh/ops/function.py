@@ -12,6 +12,8 @@ eager calls that cannot record a gradient run the forward alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.autograd import forward_ad
 
@@ -152,33 +154,50 @@ class _EagerThresholdAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs) -> torch.Tensor:  # not setup_context: Function.apply would inspect.signature
-        out, live = _eager_forward(*inputs)  # live saved only with skip_zero, which writes one
+        *inputs, prepared = inputs  # prepared: a call plan's forward (None: the launcher's path)
+        if prepared is None:
+            out, live = _eager_forward(*inputs)  # live saved only with skip_zero, which writes one
+        else:
+            out, live = prepared(*inputs[:4]), None
         _setup_context(ctx, inputs, (out, live))
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        return _grads(ctx, dout, None, _eager_backward)
+        return *_grads(ctx, dout, None, _eager_backward), None
 
 
 def records_nothing(*inputs: torch.Tensor) -> bool:
     """Whether an eager call on `inputs` has no gradient to record: grad mode off or no input requiring
     one, and no forward-mode tangent (those still reach the autograd.Function, which refuses them)."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return not needs_grad and all(forward_ad.unpack_dual(t).tangent is None for t in inputs)
+    if torch.is_grad_enabled():
+        for t in inputs:  # loops, not generators: this runs at every eager call
+            if t.requires_grad:
+                return False
+    if forward_ad._current_level < 0:  # no dual level entered: no tangents (unpack_dual's own shortcut)
+        return True
+    for t in inputs:
+        if forward_ad.unpack_dual(t).tangent is not None:
+            return False
+    return True
 
 
 def threshold_attention_apply(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float, scale: float, backend: str,
-    skip_zero: bool = False,
+    skip_zero: bool = False, prepared: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The op on checked inputs: the custom op while tracing (torch.compile, export, fake tensors),
     else the same code as an autograd.Function, or with no gradient to record (no_grad, inference,
-    no input requiring one, no forward-mode tangent) the forward alone."""
+    no input requiring one, no forward-mode tangent) the forward alone. prepared: the forward a call
+    plan prepared for these inputs (triton_launch.PreparedForward), launched in place of the launcher's
+    path unless a backward needs skip_zero's tile map (which it does not write)."""
     if type(q) is torch.Tensor and not torch.compiler.is_compiling():
         if records_nothing(q, k, v, beta):  # no autograd node, no backward to write a map for
+            if prepared is not None:
+                return prepared(q, k, v, beta)
             return _eager_forward(q, k, v, beta, power, scale, backend)[0]
-        return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend, skip_zero)
+        prepared = None if skip_zero else prepared
+        return _EagerThresholdAttention.apply(q, k, v, beta, power, scale, backend, skip_zero, prepared)
     # a map only where a backward can follow
     skip_zero = skip_zero and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta))
     return threshold_attention_op(q, k, v, beta, power, scale, backend, skip_zero)[0]

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from lit_thresh.ops.backend import triton_interpreting
-from lit_thresh.ops.fast_launch import FastLaunch
+from lit_thresh.ops.fast_launch import FastLaunch, launch
 from lit_thresh.ops.triton_kernels import (
     row_norms_kernel,
     threshold_bwd_dkv_kernel,
@@ -56,16 +56,30 @@ class KernelConfigs:
     bwd_dk2: BlockConfig | None = None
 
 
-def default_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
-    """Tiles per kernel for the larger of the q/k and v head dims (cached). fp16/bf16 up to D = 128: the
-    fastest config per kernel of the H200 sweep (`python -m lit_thresh.bench --sweep`, T = 4096, B = 4,
-    H = 16; ms below, `was` = the previous default; see lit_thresh/ops/PERF.md; the bf16 D = 128 dK/dV tile from
-    an A/B on an H100, PERF.md v17), with TMA loads where they
-    won by >= 3% (each TMA launch costs host time for its descriptors, so eager calls of less
-    work than TMA_MIN_WORK load through pointers instead); skip_zero off (it pays only on
-    maps with most tiles all zero). fp32 and D > 128: small-tile starting points, not tuned. Small tiles
-    under the interpreter."""
-    return _default_configs(head_dim, dtype, triton_interpreting())
+SHORT_KEYS = (1024, 2048)
+"""Key lengths Tk up to which the default tiles of short maps apply: length class 0 (Tk <= 1024), 1 (<= 2048),
+2 (longer). At T = 1024 and 2048 (B * T = 16384, H = 16, one H100; lit_thresh/ops/PERF.md v21) smaller tiles
+are faster: at D = 128 the forward at 64x64 w4 took 0.90x the time of 128x64 w8 at T = 1024 and 0.97-0.99x at
+T = 2048 (1.02-1.17x from T = 4096), and the dK/dV kernel at 32x64 w4 took 0.97x the backward's time of
+64x128 w8 at T = 1024 (1.01x at T = 2048); fp16 D = 64's dK/dV at 32x64 w4 0.96x of 64x64 w4's at T = 1024
+(0.98x at T = 2048)."""
+
+
+def length_class(tk: int) -> int:
+    """The default tiles' length class of a call with tk keys (SHORT_KEYS)."""
+    return 0 if tk <= SHORT_KEYS[0] else 1 if tk <= SHORT_KEYS[1] else 2
+
+
+def default_configs(head_dim: int, dtype: torch.dtype, tk: int | None = None) -> KernelConfigs:
+    """Tiles per kernel for the larger of the q/k and v head dims and tk keys (None: long maps) (cached).
+    fp16/bf16 up to D = 128: the fastest config per kernel of the H200 sweep (`python -m lit_thresh.bench
+    --sweep`, T = 4096, B = 4, H = 16; ms below, `was` = the previous default; see lit_thresh/ops/PERF.md;
+    the bf16 D = 128 dK/dV tile from an A/B on an H100, PERF.md v17), with TMA loads where they won by >= 3%
+    (each TMA launch costs host time for its descriptors, so eager calls of less work than TMA_MIN_WORK load
+    through pointers instead), and smaller tiles for short maps (SHORT_KEYS, PERF.md v21); skip_zero off (it
+    pays only on maps with most tiles all zero). fp32 and D > 128: small-tile starting points, not tuned.
+    Small tiles under the interpreter."""
+    return _default_configs(head_dim, dtype, triton_interpreting(), 2 if tk is None else length_class(tk))
 
 
 def skip_zero_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
@@ -75,16 +89,28 @@ def skip_zero_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
 
 @functools.lru_cache(maxsize=64)
 def _skip_zero_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> KernelConfigs:
-    cfgs = _default_configs(head_dim, dtype, interpreting)
+    cfgs = _default_configs(head_dim, dtype, interpreting)  # the long maps' tiles at any length: map_shape's grain
     return KernelConfigs(*(replace(cfg, skip_zero=True) for cfg in (cfgs.fwd, cfgs.bwd_dkv, cfgs.bwd_dq)))
 
 
 @functools.lru_cache(maxsize=64)
-def _default_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> KernelConfigs:
+def _default_configs(head_dim: int, dtype: torch.dtype, interpreting: bool, length: int = 2) -> KernelConfigs:
     if interpreting:
         return KernelConfigs(BlockConfig(32, 32), BlockConfig(32, 32), BlockConfig(32, 32))
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfigs(BlockConfig(64, 32, 4, 2), BlockConfig(32, 64, 4, 2), BlockConfig(64, 32, 4, 2))
+    long = _long_configs(head_dim, dtype)
+    if head_dim > 64:  # fp16 and bf16: PERF.md v21 (length_class)
+        fwd = BlockConfig(64, 64, 4, 3, tma=True) if length <= 1 else long.fwd
+        dkv = BlockConfig(32, 64, 4, 3, tma=True) if length == 0 else long.bwd_dkv
+        return replace(long, fwd=fwd, bwd_dkv=dkv)
+    if dtype == torch.float16 and length == 0:
+        return replace(long, bwd_dkv=BlockConfig(32, 64, 4, 3, tma=True))
+    return long
+
+
+def _long_configs(head_dim: int, dtype: torch.dtype) -> KernelConfigs:
+    """default_configs' fp16 and bf16 tiles for D <= 128 on maps past SHORT_KEYS."""
     small = BlockConfig(64, 64, 4, 3)
     if dtype == torch.bfloat16 and head_dim > 64:
         return KernelConfigs(
@@ -100,8 +126,8 @@ def _default_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> K
             BlockConfig(64, 128, 8, 3, tma=True),
             BlockConfig(128, 64, 8, 3, tma=True),
         )
-    return KernelConfigs(  # float16, D <= 64, re-swept in PERF.md v7 (fwd 0.356 ms, was 0.371); dkv in v16 (backward 1.083, was 1.136)
-        BlockConfig(64, 64, 4, 3, tma=True), BlockConfig(64, 64, 4, 4, tma=True), small)
+    return KernelConfigs(  # float16, D <= 64, re-swept in PERF.md v7 (fwd 0.356 ms, was 0.371); dkv in v16
+        BlockConfig(64, 64, 4, 3, tma=True), BlockConfig(64, 64, 4, 4, tma=True), small)  # (backward 1.083, was 1.136)
 
 
 def _block_dim(d: int) -> int:
@@ -158,14 +184,18 @@ into a CUDA graph (compile: reduce-overhead) pays that host time once: it keeps 
 
 @functools.lru_cache(maxsize=256)
 def _plan(d: int, dv: int, dtype: torch.dtype, power: float, precision: str, interpreting: bool,
-          configs: KernelConfigs | None, skip_zero: bool = False, tma: bool = True) -> tuple:
+          configs: KernelConfigs | None, skip_zero: bool = False, tma: bool = True, length: int = 2) -> tuple:
     """What every launch with these head dims, dtype and power shares, cached so that a call does no
     more Python than it must: per kernel (fwd, bwd_dkv, bwd_dq), its config and keyword arguments
-    (constexprs and launch options; shared between calls: read, never written). Not keyed on the
-    sequence lengths, which change at every step of decoding. configs None: the default tiles, with
-    skip_zero on where skip_zero is true and TMA loads only where tma is true."""
+    (constexprs and launch options; shared between calls: read, never written). Keyed on the key length's
+    class only (length_class), not on the sequence lengths, which change at every step of decoding. configs
+    None: the default tiles of that length class, skip_zero's (any length) where skip_zero is true, with TMA
+    loads only where tma is true."""
     if configs is None:
-        configs = (_skip_zero_configs if skip_zero else _default_configs)(max(d, dv), dtype, interpreting)
+        if skip_zero:
+            configs = _skip_zero_configs(max(d, dv), dtype, interpreting)
+        else:
+            configs = _default_configs(max(d, dv), dtype, interpreting, length)
         if not tma:
             kernels = (configs.fwd, configs.bwd_dkv, configs.bwd_dq)
             configs = KernelConfigs(*(replace(cfg, tma=False) for cfg in kernels))
@@ -184,9 +214,10 @@ def _problem_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: floa
                   skip_zero: bool = False) -> tuple:
     """_plan for these inputs (configs None: the default tiles for this call, skip_zero's where
     skip_zero): one cache lookup per launcher call."""
-    defaults = configs is None  # explicit configs carry their own skip_zero and TMA choices
+    defaults = configs is None  # explicit configs carry their own tiles, skip_zero and TMA choices
+    length = length_class(k.shape[2]) if defaults else 2
     return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), configs,
-                 skip_zero and defaults, not defaults or default_tma(q, k, v))
+                 skip_zero and defaults, not defaults or default_tma(q, k, v), length)
 
 
 _GAIN_TABLES: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -379,6 +410,27 @@ def tile_lists(live: torch.Tensor, grain: tuple[int, int], cfg: BlockConfig, tq:
     return lists, counts
 
 
+def _forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float, scale: float,
+                    configs: KernelConfigs | None, skip_zero: bool) -> tuple:
+    """What triton_forward launches, (grid, tensors, scalars, constexprs, use_tma), and its outputs (out, map)."""
+    (cfg, kw), _, _ = _problem_plan(q, k, v, power, configs, skip_zero)
+    b, hq, tq, d = q.shape
+    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    grid = (-(-tq // cfg.block_m), b * hq)  # ceil-divisions in plain ints: triton.cdiv costs host time
+    out = _empty_like_layout(q, (b, hq, tq, dv))
+    bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
+    srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
+    k_norms = stacked_row_norms(k) if kw["ROW_SCALE"] else beta  # (B, Hkv, 1, Tk); beta: unused
+    margin = live = None
+    if cfg.skip_zero:
+        margin = _margin(q, k, scale, k_norms if kw["ROW_SCALE"] else None)
+        live = _new_map(q, k, (cfg.block_m, cfg.block_n))
+    tensors = (*srcs, out, beta, gain_table(q.device, d, tk + cfg.block_m), k_norms,
+               beta if margin is None else margin, beta if live is None else live)
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power)
+    return grid, tensors, scalars, kw, use_tma, out, live
+
+
 def triton_forward(
     q: torch.Tensor,  # (B, Hq, Tq, D)
     k: torch.Tensor,  # (B, Hkv, Tk, D)
@@ -393,25 +445,61 @@ def triton_forward(
     defaults, with skip_zero on where skip_zero is true). With skip_zero in the forward's config, every
     tile still runs and map is the skip_zero tile map at the forward's tiles, for triton_backward's
     `live`; else map is None."""
-    (cfg, kw), _, _ = _problem_plan(q, k, v, power, configs, skip_zero)
-    b, hq, tq, d = q.shape
-    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
-    grid = (-(-tq // cfg.block_m), b * hq)  # ceil-divisions in plain ints: triton.cdiv costs host time
-    out = _empty_like_layout(q, (b, hq, tq, dv))
-    bd, bdv = kw["BLOCK_D"], kw["BLOCK_DV"]
-    srcs, use_tma = _sources(cfg, (q, k, v), (cfg.block_m, cfg.block_n, cfg.block_n), (bd, bd, bdv))
-    k_norms = stacked_row_norms(k) if kw["ROW_SCALE"] else beta  # (B, Hkv, 1, Tk); beta: unused
-    margin = live = None
-    if cfg.skip_zero:
-        margin = _margin(q, k, scale, k_norms if kw["ROW_SCALE"] else None)
-        live = _new_map(q, k, (cfg.block_m, cfg.block_n))
-    _FWD(
-        grid, (*srcs, out, beta, gain_table(q.device, d, tk + cfg.block_m), k_norms, beta if margin is None else margin,
-               beta if live is None else live),
-        (*q.stride(), *k.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power),
-        kw, USE_TMA=use_tma,
-    )
+    grid, tensors, scalars, kw, use_tma, out, live = _forward_launch(q, k, v, beta, power, scale, configs, skip_zero)
+    _FWD(grid, tensors, scalars, kw, USE_TMA=use_tma)
     return out, live
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedForward:
+    """triton_forward's launch for one call signature (prepare_forward), made again for new tensors of that
+    signature without the launcher's Python: the output, the gain table, then the kept compiled kernel."""
+
+    compiled: object  # triton's CompiledKernel
+    grid: tuple[int, int, int]
+    device: int  # the CUDA device index launched on
+    out_shape: tuple[int, int, int, int]  # what new_empty allocates: (B, Hq, Tq, Dv), or (B, Tq, Hq, Dv) if transposed
+    transposed: bool
+    gains: torch.Tensor  # gain_table's table at preparation: long enough, and never freed (an outgrown one is retired)
+    args: tuple  # the scalars and the constexprs after the tensors
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """triton_forward(q, k, v, beta, power, scale)[0] for inputs of the prepared signature."""
+        out = q.new_empty(self.out_shape)
+        if self.transposed:
+            out = out.transpose(1, 2)
+        launch(self.compiled, self.grid, self.device,
+               (q, k, v, out, beta, self.gains, beta, beta, beta, *self.args))  # as _forward_launch's
+        return out
+
+
+def _on_current_cuda_device(q: torch.Tensor) -> bool:
+    """Whether q is a CUDA tensor on the current device (where FastLaunch launches)."""
+    return q.is_cuda and q.device.index == torch.cuda.current_device()
+
+
+def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, power: float,
+                    scale: float) -> PreparedForward | None:
+    """triton_forward(q, k, v, beta, power, scale) with the default tiles, prepared for later calls whose
+    inputs have these shapes, strides, dtypes, alignments and device, and the same power, scale and global
+    state (matmul precision, CUDA-graph capture); the caller keys it on them. None where that launch loads
+    through TMA descriptors, scales rows (fp16), has not run through FastLaunch yet, or is not on the
+    current device: those calls take triton_forward."""
+    if not _on_current_cuda_device(q):
+        return None
+    (_, kw), _, _ = _problem_plan(q, k, v, power, None)
+    if kw["ROW_SCALE"]:  # its row-norm pre-pass would launch here
+        return None
+    grid, tensors, scalars, kw, use_tma, out, _ = _forward_launch(q, k, v, beta, power, scale, None, False)
+    # tensors: (q, k, v, out, beta, gains, ...)
+    kept = None if use_tma else _FWD.kept(tensors, scalars, kw, USE_TMA=False)
+    if kept is None:
+        return None
+    b, hq, tq, dv = out.shape
+    transposed = q.stride(1) < q.stride(2)  # as _empty_like_layout lays out the output
+    out_shape = (b, tq, hq, dv) if transposed else (b, hq, tq, dv)
+    return PreparedForward(kept[0], (*grid, 1), torch.cuda.current_device(), out_shape, transposed, tensors[5],
+                           (*scalars, *kept[1]))
 
 
 def triton_backward(

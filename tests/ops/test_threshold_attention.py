@@ -184,17 +184,48 @@ def test_beta_gradient_has_beta_shape():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seq_len", [1000, 1500, 2100])  # triton_launch.length_class 0, 1 and 2
 @pytest.mark.parametrize("loads", ["pointers", "tma"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_triton_default_tiles_at_training_sizes(head_dim, dtype, loads, monkeypatch):
-    """The tuned tiles of default_configs (the interpreter runs small ones) at T = 1000: many full tiles
-    and a partial last one, GQA, per-head beta; loading through pointers, as an eager call of this size
-    does, and through TMA descriptors where the config has them, as a larger call or a CUDA graph does
+def test_triton_default_tiles_at_training_sizes(head_dim, dtype, loads, seq_len, monkeypatch):
+    """The tuned tiles of default_configs (the interpreter runs small ones) for short and long maps: many
+    full tiles and a partial last one, GQA, per-head beta; loading through pointers, as an eager call of this
+    size does, and through TMA descriptors where the config has them, as a larger call or a CUDA graph does
     (TMA_MIN_WORK)."""
     if loads == "tma":
         monkeypatch.setattr(triton_launch, "TMA_MIN_WORK", 0)
-    assert check_against_reference("cuda", dtype, "triton", 2, 4, 2, 1000, 1000, head_dim, head_dim, beta="per_head", power=2.0)
+    assert check_against_reference("cuda", dtype, "triton", 2, 4, 2, seq_len, seq_len, head_dim, head_dim,
+                                   beta="per_head", power=2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_tiles_by_key_length(head_dim, dtype, monkeypatch):
+    """Short maps (Tk <= 1024, then <= 2048) get their own forward and dK/dV tiles where the H100 A/B found
+    them faster (PERF.md v21), the dQ tiles never change, skip_zero's tiles (the map's grain) never do, and
+    a call's plan follows its key length, not its query length (decoding)."""
+    monkeypatch.setattr(triton_launch, "triton_interpreting", lambda: False)  # the GPU's tiles
+    long = triton_launch.default_configs(head_dim, dtype)
+    by_len = {tk: triton_launch.default_configs(head_dim, dtype, tk) for tk in (1, 1024, 1025, 2048, 2049, 16384)}
+    assert by_len[1] == by_len[1024] and by_len[1025] == by_len[2048] and by_len[2049] == by_len[16384] == long
+    assert all(c.bwd_dq == long.bwd_dq for c in by_len.values())
+    short_fwd = triton_launch.BlockConfig(64, 64, 4, 3, tma=True)
+    short_dkv = triton_launch.BlockConfig(32, 64, 4, 3, tma=True)
+    if head_dim == 128:
+        assert (by_len[1024].fwd, by_len[2048].fwd, long.fwd.block_m) == (short_fwd, short_fwd, 128)
+        assert (by_len[1024].bwd_dkv, by_len[2048].bwd_dkv) == (short_dkv, long.bwd_dkv)
+    else:
+        assert by_len[1024].fwd == long.fwd
+        assert by_len[1024].bwd_dkv == (short_dkv if dtype == torch.float16 else long.bwd_dkv)
+    skip = triton_launch.skip_zero_configs(head_dim, dtype)
+    assert skip == type(long)(*(replace(c, skip_zero=True) for c in (long.fwd, long.bwd_dkv, long.bwd_dq)))
+    q = torch.empty(1, 2, 1, head_dim, dtype=dtype)  # (B, H, Tq, D): one query, as in decoding
+    for tk in (1000, 4000):
+        k = torch.empty(1, 2, tk, head_dim, dtype=dtype)
+        (fwd, _), (dkv, _), _ = triton_launch._problem_plan(q, k, k, 2.0, None)
+        assert (fwd, dkv) == (replace(by_len[16384 if tk > 2048 else 1].fwd, tma=False),
+                              replace(by_len[16384 if tk > 2048 else 1].bwd_dkv, tma=False))  # a small call: pointers
 
 
 @pytest.mark.gpu

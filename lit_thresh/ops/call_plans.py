@@ -1,0 +1,95 @@
+"""Plans of eager threshold-attention calls that repeat a signature: the checks they passed, and the forward
+launch prepared for them.
+
+A call's signature holds everything the op's checks and its launch depend on: the tensors' exact types,
+shapes, strides, dtypes, devices and 16-byte alignments, beta's (or its value, for a float), the other
+arguments by type and value, and the global state the call reads (fp32 matmul precision; CUDA-graph
+capture, or for CPU tensors TRITON_INTERPRET). The second time a signature comes, its plan is kept; from the
+third on, the call skips the checks it passed, and on CUDA its forward launches the prepared kernel
+(triton_launch.PreparedForward) instead of going through the launcher, with or without a gradient to record
+(but not where a backward will skip by skip_zero's tile map): lit_thresh/ops/PERF.md v21. Calls under
+torch.compile or on tensor subclasses have no signature and always take the checked path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lit_thresh.ops.backend import triton_interpreting
+
+MAX_PLANS = 256  # signatures kept; shapes that change at every call (decoding) refill it
+
+
+@dataclass(frozen=True, slots=True)
+class CallPlan:
+    """What a checked call of one signature resolved to: the backend, power and scale as the op takes them,
+    beta's (Hq,) tensor where the call gave a float (None: beta as given, already an (Hq,) float32
+    tensor; see beta_converted), and the forward prepared for its inputs (None: the op's own path)."""
+
+    backend: str
+    power: float
+    scale: float
+    beta: torch.Tensor | None
+    beta_converted: bool  # a tensor beta that the op converts at each call (another shape or dtype)
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
+
+
+_PLANS: dict[tuple, CallPlan | None] = {}  # signature -> its plan, or None once seen
+_TENSOR_BETAS = (torch.Tensor, torch.nn.Parameter)  # a model's beta is a Parameter when it is learned
+
+
+def signature(q: object, k: object, v: object, beta: object, power: object, scale: object, backend: object,
+              skip_zero: object) -> tuple | None:
+    """The call's signature, or None where calls are not planned (torch.compile tracing, tensor subclasses,
+    functorch transforms such as vmap, a beta neither a tensor nor a float). Its last entry: for CUDA tensors
+    (True, the current device, whether a CUDA graph is being captured), for others (False, whether
+    TRITON_INTERPRET is on); inference mode before it."""
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor:
+        return None
+    if type(v) is not torch.Tensor:
+        return None
+    try:
+        alignments = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+        if type(beta) in _TENSOR_BETAS:
+            beta_key = (beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() & 15)
+        elif type(beta) is float:
+            beta_key = beta
+        else:
+            return None
+    except RuntimeError:  # no storage: a functorch-wrapped tensor (vmap, grad)
+        return None
+    precision = torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None
+    if q.is_cuda:
+        state = (True, torch.cuda.current_device(), torch.cuda.is_current_stream_capturing())
+    else:  # the 'auto' backend of CPU tensors depends on TRITON_INTERPRET
+        state = (False, triton_interpreting())
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, alignments, type(beta), beta_key, type(power), power, type(scale), scale,
+            type(backend), backend, type(skip_zero), skip_zero, precision, torch.is_inference_mode_enabled(), state)
+
+
+def plan_for(key: tuple | None) -> CallPlan | None:
+    """The plan kept for a signature (None: none yet, or no signature; or an unhashable argument, which the
+    checks then refuse)."""
+    if key is None:
+        return None
+    try:
+        return _PLANS.get(key)
+    except TypeError:  # e.g. scale=[1.0]: the checked path names it
+        return None
+
+
+def remember(key: tuple | None, make: Callable[[], CallPlan]) -> None:
+    """After a checked call of signature `key`: the first time, note it; the second, keep make()'s plan. Not
+    while a CUDA graph is captured (its tensors belong to the graph)."""
+    if key is None or key[-1][0] and key[-1][2]:  # CUDA tensors, capturing
+        return
+    if key in _PLANS:
+        _PLANS[key] = make()
+        return
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = None
