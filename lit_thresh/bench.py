@@ -328,7 +328,7 @@ def sparse_rows(dtype: torch.dtype, d: int, t: int, b: int, h: int, fractions: I
     q, k, v = sparse_inputs(b, h, t, d, dtype)
     dout = _randn(b, h, t, d, dtype=dtype)
     name = str(dtype).removeprefix("torch.")
-    base = default_configs(d, dtype)
+    base = default_configs(d, dtype, t)
     out = []
     for target in fractions:
         beta_value = beta_for_zero_fraction(q, k, target)
@@ -349,23 +349,44 @@ def sparse_rows(dtype: torch.dtype, d: int, t: int, b: int, h: int, fractions: I
 
 
 class _NoLaunch:
-    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
+    """Stands in for a Triton kernel (its parameters): `kernel[grid](...)` returns a compiled kernel whose
+    launches do nothing."""
+
+    def __init__(self, kernel) -> None:
+        self.params = getattr(kernel, "params", ())  # as FastLaunch reads them (not under the interpreter)
 
     def __getitem__(self, grid):
         return _no_launch
 
 
-def _no_launch(*args, **kwargs) -> None:
-    return None
+class _NoLaunchCompiled:
+    """Stands in for a CompiledKernel: what fast_launch.launch reads, and a `run` that does nothing."""
+
+    function = packed_metadata = None
+
+    def launch_metadata(self, *args) -> None:
+        return None
+
+    def run(self, *args) -> None:
+        return None
+
+
+_NO_LAUNCH_COMPILED = _NoLaunchCompiled()
+
+
+def _no_launch(*args, **kwargs) -> _NoLaunchCompiled:
+    return _NO_LAUNCH_COMPILED
 
 
 @contextlib.contextmanager
 def _swapped_launches(make: Callable[[object], object]):
-    """The single op's three launchers replaced by make(kernel) for the duration."""
-    from lit_thresh.ops import triton_launch
+    """The single op's three launchers replaced by make(kernel) for the duration, with call plans of their
+    own (lit_thresh/ops/call_plans.py: a plan's prepared forward holds the compiled kernel it launches)."""
+    from lit_thresh.ops import call_plans, triton_launch
 
     names = ("_FWD", "_BWD_DKV", "_BWD_DQ")
     saved = {name: getattr(triton_launch, name) for name in names}
+    saved_plans, call_plans._PLANS = call_plans._PLANS, {}
     for name in names:
         setattr(triton_launch, name, make(saved[name].kernel))
     try:
@@ -373,15 +394,16 @@ def _swapped_launches(make: Callable[[object], object]):
     finally:
         for name, launcher in saved.items():
             setattr(triton_launch, name, launcher)
+        call_plans._PLANS = saved_plans
 
 
 def stubbed_launches():
-    """The single op's Triton launches replaced by no-ops (its outputs are left unwritten): what remains of
-    a call's host time is our Python and the torch ops around the kernels (each launcher still builds its
-    key, then finds no compiled kernel), not Triton's launcher."""
+    """The single op's Triton launches replaced by no-ops (its outputs are left unwritten): FastLaunch keeps
+    a compiled kernel whose `run` does nothing, so what remains of a call's host time is our Python and the
+    torch ops around the kernels, planned calls' prepared forward included, not Triton's launcher."""
     from lit_thresh.ops.fast_launch import FastLaunch
 
-    return _swapped_launches(lambda kernel: FastLaunch(_NoLaunch()))
+    return _swapped_launches(lambda kernel: FastLaunch(_NoLaunch(kernel)))
 
 
 def triton_path_launches():
@@ -414,22 +436,26 @@ def host_overhead(calls: int = 400, repeats: int = 7) -> list[HostResult]:
     median and range of `repeats` loops of `calls` calls, the cases interleaved in each round so that a
     drift of the host's speed reaches them all. The single op's cases run again through Triton's own
     launch path at every call (no FastLaunch: what lit_thresh/ops/fast_launch.py saves), and with its
-    Triton launches stubbed out ('no launch'): our Python and torch ops; the difference is the launcher. A
-    float beta costs a torch.full per call; a model passes its (H,) beta tensor."""
+    Triton launches stubbed out ('no launch'): our Python and torch ops; the difference is the launcher.
+    Each case repeats one signature, so from its third call it runs planned (lit_thresh/ops/call_plans.py).
+    A training step's forward records its gradient: the 'grad recorded' rows (their graph freed unused), with
+    beta an nn.Parameter as a model's learned beta is."""
     from lit_thresh.ops import threshold_attention
 
     q, k, v = (_randn(1, 2, 128, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    beta = torch.full((2,), 0.5, device="cuda", requires_grad=True)
+    beta = torch.nn.Parameter(torch.full((2,), 0.5, device="cuda"))
     beta_buffer = torch.full((2,), 0.5, device="cuda")
     dout = _randn(1, 2, 128, 64, dtype=torch.bfloat16)
     ours = {
         "threshold p=2 forward (no grad)": lambda: threshold_attention(qd, kd, vd, 0.5, 2.0),
         "threshold p=2 forward (no grad, (H,) beta)": lambda: threshold_attention(qd, kd, vd, beta_buffer, 2.0),
+        "threshold p=2 forward (grad recorded, no backward)": lambda: threshold_attention(q, k, v, beta, 2.0),
         "threshold p=2 forward + backward": lambda: threshold_attention(q, k, v, beta, 2.0).backward(dout),
     }
     sdpa = {
         "sdpa forward (no grad)": lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True),
+        "sdpa forward (grad recorded, no backward)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "sdpa forward + backward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout),
     }
     cases = [(name, fn, contextlib.nullcontext) for name, fn in {**ours, **sdpa}.items()]
@@ -446,7 +472,8 @@ def host_overhead(calls: int = 400, repeats: int = 7) -> list[HostResult]:
 def _warm_point(task: tuple) -> str:
     """Worker: run each Triton kernel the grid uses once at (1, H, 256, D) (same specialisation as any
     T divisible by 16) so that the timing process finds it compiled in Triton's cache; the single op's
-    default tiles both with their TMA loads (the grid's rows of at least TMA_MIN_WORK) and without."""
+    default tiles both with their TMA loads (the grid's rows of at least TMA_MIN_WORK) and without, those of
+    short maps and, at (1, H, 2304, D), of long ones (triton_launch.SHORT_KEYS)."""
     from lit_thresh.ops import threshold_attention, triton_launch
     from lit_thresh.ops.triton_launch import default_configs, triton_backward, triton_forward
 
@@ -457,11 +484,14 @@ def _warm_point(task: tuple) -> str:
     lam = torch.full((h,), 0.3, device="cuda", requires_grad=True)
     dout = _randn(1, h, 256, d, dtype=dtype)
     errors = []
-    def single(min_work: int) -> None:
+    long_map = [_randn(1, h, triton_launch.SHORT_KEYS[-1] + 256, d, dtype=dtype).requires_grad_() for _ in range(4)]
+
+    def single(min_work: int, q=q, k=k, v=v, dout=dout) -> None:
         triton_launch.TMA_MIN_WORK = min_work  # this worker process only
         threshold_attention(q, k, v, beta, 2.0).backward(dout)
 
-    runs = [lambda: single(0), lambda: single(1 << 62)]
+    runs = [lambda: single(0), lambda: single(1 << 62),
+            lambda: single(0, *long_map), lambda: single(1 << 62, *long_map)]
     fused = _differential_op()
     if fused is not None:
         runs.append(lambda: fused(q, q2, k, k2, v, beta, lam, 2.0).backward(dout))
@@ -510,6 +540,7 @@ DIFF_SWEEP = {  # the same for the fused differential op's kernels, which read t
                (64, 32, 4, 2)],
 }
 SWEPT_OPS = {"": SWEEP, "diff ": DIFF_SWEEP}  # label prefix -> kernels: the single op's, the differential op's
+SWEEP_OP_NAMES = {"single": "", "differential": "diff "}  # --sweep-ops' choices -> SWEPT_OPS' prefixes
 
 
 def _sweep_inputs(b: int, h: int, t: int, d: int, dtype: torch.dtype, device: str = "cuda") -> dict[str, torch.Tensor]:
@@ -527,7 +558,7 @@ def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callab
     from lit_thresh.ops.triton_launch import default_configs, triton_backward, triton_forward
 
     q, k, v, beta, dout = x["q"], x["k"], x["v"], x["beta"], x["dout"]
-    defaults = (default_diff_configs if op else default_configs)(q.shape[-1], q.dtype)
+    defaults = default_diff_configs(q.shape[-1], q.dtype) if op else default_configs(q.shape[-1], q.dtype, q.shape[2])
     configs = replace(defaults, **{kernel: cfg})
     if op:
         pairs = (q, x["q2"], k, x["k2"], v, beta, x["lam"], 2.0, 1.0)
@@ -543,13 +574,13 @@ def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callab
     return lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, configs)
 
 
-def _sweep_configs(op: str, kernel: str, d: int, dtype: torch.dtype) -> list:
-    """The default first, the default with skip_zero, then SWEPT_OPS[op][kernel] (with and without TMA loads
-    for the single op)."""
+def _sweep_configs(op: str, kernel: str, d: int, dtype: torch.dtype, t: int) -> list:
+    """The default at length t first, the default with skip_zero, then SWEPT_OPS[op][kernel] (with and without
+    TMA loads for the single op)."""
     from lit_thresh.ops.triton_differential import default_diff_configs
     from lit_thresh.ops.triton_launch import BlockConfig, default_configs
 
-    default = getattr((default_diff_configs if op else default_configs)(d, dtype), kernel)
+    default = getattr(default_diff_configs(d, dtype) if op else default_configs(d, dtype, t), kernel)
     cfgs = [default, replace(default, skip_zero=True)]
     cfgs += [BlockConfig(*c, tma=tma) for c in SWEPT_OPS[op][kernel] for tma in ((False,) if op else (False, True))]
     return list(dict.fromkeys(cfgs))
@@ -566,20 +597,22 @@ def _compile_one(task: tuple) -> str:
         return f"{type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''}"
 
 
-def sweep(dtype: torch.dtype, d: int, t: int, b: int, h: int, timing: Timing, workers: int) -> list[Result]:
-    """Time each kernel of the single and the differential op over SWEPT_OPS's configs (the other kernels
-    at their defaults); prints every config tried."""
+def sweep(dtype: torch.dtype, d: int, t: int, b: int, h: int, timing: Timing, workers: int,
+          ops: Sequence[str] = tuple(SWEEP_OP_NAMES)) -> list[Result]:
+    """Time each kernel of the ops named (SWEEP_OP_NAMES: the single and the differential op) over SWEPT_OPS's
+    configs, the other kernels at their defaults."""
     name = str(dtype).removeprefix("torch.")
-    keys = [(op, kernel, cfg) for op, kernels in SWEPT_OPS.items() for kernel in kernels
-            for cfg in _sweep_configs(op, kernel, d, dtype)]
+    swept = {SWEEP_OP_NAMES[op]: SWEPT_OPS[SWEEP_OP_NAMES[op]] for op in ops}
+    keys = [(op, kernel, cfg) for op, kernels in swept.items() for kernel in kernels
+            for cfg in _sweep_configs(op, kernel, d, dtype, t)]
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:  # compile in parallel
         errors = dict(zip(keys, pool.map(_compile_one, [(*key, h, t, d, name) for key in keys])))
     x = _sweep_inputs(b, h, t, d, dtype)
     out = []
-    for op, kernels in SWEPT_OPS.items():
+    for op, kernels in swept.items():
         for kernel in kernels:
             timed = []
-            for i, cfg in enumerate(_sweep_configs(op, kernel, d, dtype)):
+            for i, cfg in enumerate(_sweep_configs(op, kernel, d, dtype, t)):
                 label = f"{op}{kernel} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                 label += (" tma" if cfg.tma else "") + (" skip" if cfg.skip_zero else "")
                 error = errors[(op, kernel, cfg)]
@@ -643,6 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rounds of each grid point's rows, interleaved: medians and spreads over them")
     parser.add_argument("--sweep", action="store_true",
                         help="first time block configs of each kernel (the single and the differential op's)")
+    parser.add_argument("--sweep-ops", choices=list(SWEEP_OP_NAMES), nargs="+", default=list(SWEEP_OP_NAMES),
+                        help="the ops whose kernels --sweep times")
     parser.add_argument("--no-table", action="store_true", help="skip the grid table (with --sweep: sweep only)")
     parser.add_argument("--no-host", action="store_true", help="skip the host-overhead measurement")
     parser.add_argument("--workers", type=_positive_int, default=min(16, os.cpu_count() or 1),
@@ -678,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for t in args.seq_lens:
                 b = args.tokens // t
                 if args.sweep:
-                    swept = sweep(DTYPES[name], d, t, b, args.heads, timing, args.workers)
+                    swept = sweep(DTYPES[name], d, t, b, args.heads, timing, args.workers, args.sweep_ops)
                     print(format_sweep(swept), flush=True)
                     results += swept
                 if args.no_table:

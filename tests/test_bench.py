@@ -31,6 +31,7 @@ def test_defaults_are_the_whole_grid():
     assert args.head_dims == [64, 128] and args.seq_lens == [1024, 2048, 4096, 8192, 16384]
     assert args.dtypes == ["bfloat16", "float16"] and args.tokens == 16384 and args.heads == 16
     assert args.zero_fractions == [0.5, 0.9, 0.99] and not args.quick and not args.sweep and args.csv is None
+    assert args.sweep_ops == ["single", "differential"]
 
 
 def test_restricted_grid():
@@ -49,6 +50,7 @@ def test_restricted_grid():
         (["--zero-fractions", "1.5"], r"each must be in \[0, 1\)"),
         (["--zero-fractions", "1.0"], r"each must be in \[0, 1\)"),
         (["--zero-fractions", "-0.1"], r"each must be in \[0, 1\)"),
+        (["--sweep-ops", "fused"], "invalid choice"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
@@ -103,18 +105,24 @@ def test_host_rows_print_the_median_and_range():
 def test_stubbed_launches_skip_the_kernels_and_restore_them():
     """host_overhead's 'no launch' rows: the op runs its Python and torch ops, forward and backward, with
     no Triton launch; the kernels are back afterwards."""
-    from lit_thresh.ops import threshold_attention, triton_launch
+    from lit_thresh.ops import call_plans, threshold_attention, triton_launch
 
     kernels = (triton_launch._FWD, triton_launch._BWD_DKV, triton_launch._BWD_DQ)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
     q, k, v = (torch.ones(1, 2, 8, 16, device=device, requires_grad=True) for _ in range(3))
     beta = torch.full((2,), 0.5, device=device, requires_grad=True)
+    plans = call_plans._PLANS
     with bench.stubbed_launches():
-        out = threshold_attention(q, k, v, beta, 2.0, backend="triton")
-        out.backward(torch.ones_like(out))
+        for _ in range(3):  # the third call planned, with plans of its own
+            out = threshold_attention(q, k, v, beta, 2.0, backend="triton")
+            out.backward(torch.ones_like(out))
+        with torch.no_grad():
+            threshold_attention(q, k, v, beta, 2.0, backend="triton")
         assert not {triton_launch._FWD, triton_launch._BWD_DKV, triton_launch._BWD_DQ} & set(kernels)
+        assert call_plans._PLANS is not plans and len(call_plans._PLANS) == 1
     assert out.shape == (1, 2, 8, 16) and all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v, beta))
     assert (triton_launch._FWD, triton_launch._BWD_DKV, triton_launch._BWD_DQ) == kernels
+    assert call_plans._PLANS is plans
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without CUDA")
@@ -135,7 +143,7 @@ def test_sweep_calls_run_the_config_given_for_one_kernel_and_the_defaults_for_th
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
     defaults = (triton_differential.default_diff_configs if op else triton_launch.default_configs)(16, torch.float32)
-    cfgs = bench._sweep_configs(op, kernel, 16, torch.float32)
+    cfgs = bench._sweep_configs(op, kernel, 16, torch.float32, 24)
     assert cfgs[0] == getattr(defaults, kernel) and cfgs[1] == replace(cfgs[0], skip_zero=True)
     assert any(c.tma for c in cfgs) == (op == "")
     seen = []
@@ -211,6 +219,9 @@ def test_sweep_times_every_config_of_both_ops_and_sorts_each_kernel(monkeypatch)
     assert all(math.isfinite(r.fwd_ms if r.variant.removeprefix("diff ").startswith("fwd") else r.fwd_bwd_ms)
                for r in rows if r is not failed[0])
     assert all(bench.is_sweep_row(r) for r in rows) and "diff bwd_dkv" in bench.format_sweep(rows)
+    single = bench.sweep(torch.float16, 16, 24, 1, 2, bench.Timing(), workers=1, ops=["single"])  # --sweep-ops single
+    assert [r.variant for r in single] and not any(r.variant.startswith("diff ") for r in single)
+    assert {r.variant.split()[0] for r in single} == {"fwd", "bwd_dkv", "bwd_dq"}
 
 
 @pytest.mark.parametrize("target", [0.0, 0.5, 0.9])
