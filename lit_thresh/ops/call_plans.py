@@ -2,13 +2,14 @@
 launch prepared for them.
 
 A call's signature holds everything the op's checks and its launch depend on: the tensors' exact types,
-shapes, strides, dtypes, devices and 16-byte alignments, beta's (or its value, for a float), the other
-arguments by type and value, and the global state the call reads (fp32 matmul precision; CUDA-graph
-capture, or for CPU tensors TRITON_INTERPRET). The second time a signature comes, its plan is kept; from the
-third on, the call skips the checks it passed, and on CUDA its forward launches the prepared kernel
-(triton_launch.PreparedForward) instead of going through the launcher, with or without a gradient to record
-(but not where a backward will skip by skip_zero's tile map): lit_thresh/ops/PERF.md v21. Calls under
-torch.compile or on tensor subclasses have no signature and always take the checked path.
+shapes, strides, dtypes, devices and 16-byte alignments, beta's (a tensor or an nn.Parameter; a float by
+value), the other arguments by type and value, and the global state the call reads (fp32 matmul precision,
+inference mode; for CUDA tensors the current device and CUDA-graph capture, for CPU tensors
+TRITON_INTERPRET). The second time a signature comes, its plan is kept; from the third on, the call skips
+the checks it passed, and on CUDA its forward launches the prepared kernel (triton_launch.PreparedForward)
+instead of going through the launcher, with or without a gradient to record (but not where a backward will
+skip by skip_zero's tile map): lit_thresh/ops/PERF.md v21. Calls under torch.compile or functorch transforms
+(vmap), or on tensor subclasses, have no signature and always take the checked path.
 """
 
 from __future__ import annotations
