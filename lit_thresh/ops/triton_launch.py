@@ -458,16 +458,13 @@ class PreparedForward:
     compiled: object  # triton's CompiledKernel
     grid: tuple[int, int, int]
     device: int  # the CUDA device index launched on
-    out_shape: tuple[int, int, int, int]  # what new_empty allocates: (B, Hq, Tq, Dv), or (B, Tq, Hq, Dv) if transposed
-    transposed: bool
+    out_shape: tuple[int, int, int, int]  # (B, Hq, Tq, Dv)
     gains: torch.Tensor  # gain_table's table at preparation: long enough, and never freed (an outgrown one is retired)
     args: tuple  # the scalars and the constexprs after the tensors
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """triton_forward(q, k, v, beta, power, scale)[0] for inputs of the prepared signature."""
-        out = q.new_empty(self.out_shape)
-        if self.transposed:
-            out = out.transpose(1, 2)
+        out = _empty_like_layout(q, self.out_shape)
         launch(self.compiled, self.grid, self.device,
                (q, k, v, out, beta, self.gains, beta, beta, beta, *self.args))  # as _forward_launch's
         return out
@@ -495,10 +492,7 @@ def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: tor
     kept = None if use_tma else _FWD.kept(tensors, scalars, kw, USE_TMA=False)
     if kept is None:
         return None
-    b, hq, tq, dv = out.shape
-    transposed = q.stride(1) < q.stride(2)  # as _empty_like_layout lays out the output
-    out_shape = (b, tq, hq, dv) if transposed else (b, hq, tq, dv)
-    return PreparedForward(kept[0], (*grid, 1), torch.cuda.current_device(), out_shape, transposed, tensors[5],
+    return PreparedForward(kept[0], (*grid, 1), torch.cuda.current_device(), tuple(out.shape), tensors[5],
                            (*scalars, *kept[1]))
 
 
