@@ -40,14 +40,15 @@ class CallPlan:
 
 _PLANS: dict[tuple, CallPlan | None] = {}  # signature -> its plan, or None once seen
 _TENSOR_BETAS = (torch.Tensor, torch.nn.Parameter)  # a model's beta is a Parameter when it is learned
+_CAPTURING = 2  # where the signature's device state says that a CUDA graph is being captured
 
 
 def signature(q: object, k: object, v: object, beta: object, power: object, scale: object, backend: object,
               skip_zero: object) -> tuple | None:
     """The call's signature, or None where calls are not planned (torch.compile tracing, tensor subclasses,
-    functorch transforms such as vmap, a beta neither a tensor nor a float). Its last entry: for CUDA tensors
-    (True, the current device, whether a CUDA graph is being captured), for others (False, whether
-    TRITON_INTERPRET is on); inference mode before it."""
+    functorch transforms such as vmap, a beta neither a tensor nor a float). Its last entry, the device state:
+    for CUDA tensors (True, the current device, whether a CUDA graph is being captured), for others (False,
+    whether TRITON_INTERPRET is on, False); inference mode before it."""
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor:
         return None
     if type(v) is not torch.Tensor:
@@ -66,7 +67,7 @@ def signature(q: object, k: object, v: object, beta: object, power: object, scal
     if q.is_cuda:
         state = (True, torch.cuda.current_device(), torch.cuda.is_current_stream_capturing())
     else:  # the 'auto' backend of CPU tensors depends on TRITON_INTERPRET
-        state = (False, triton_interpreting())
+        state = (False, triton_interpreting(), False)
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             k.device, v.device, alignments, type(beta), beta_key, type(power), power, type(scale), scale,
             type(backend), backend, type(skip_zero), skip_zero, precision, torch.is_inference_mode_enabled(), state)
@@ -86,7 +87,7 @@ def plan_for(key: tuple | None) -> CallPlan | None:
 def remember(key: tuple | None, make: Callable[[], CallPlan]) -> None:
     """After a checked call of signature `key`: the first time, note it; the second, keep make()'s plan. Not
     while a CUDA graph is captured (its tensors belong to the graph)."""
-    if key is None or key[-1][0] and key[-1][2]:  # CUDA tensors, capturing
+    if key is None or key[-1][_CAPTURING]:
         return
     if key in _PLANS:
         _PLANS[key] = make()

@@ -215,7 +215,7 @@ def _problem_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: floa
     """_plan for these inputs (configs None: the default tiles for this call, skip_zero's where
     skip_zero): one cache lookup per launcher call."""
     defaults = configs is None  # explicit configs carry their own tiles, skip_zero and TMA choices
-    length = length_class(k.shape[2]) if defaults else 2
+    length = length_class(k.shape[2]) if defaults and not skip_zero else 2  # skip_zero's tiles: any length
     return _plan(q.shape[3], v.shape[3], q.dtype, power, _precision(q.dtype), triton_interpreting(), configs,
                  skip_zero and defaults, not defaults or default_tma(q, k, v), length)
 
