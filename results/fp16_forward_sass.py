@@ -12,43 +12,28 @@ import collections
 import os
 import re
 import subprocess
+import sys
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from lit_thresh.ops import triton_kernels
 from lit_thresh.ops.triton_launch import _single_metas, default_configs
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for tests.ops
+from tests.ops.sm90 import compile_for_sm90  # noqa: E402  (the compile tests' signature builder)
+
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-POINTER_TYPES = {"BETA": "*fp32", "GAINS": "*fp32", "ROW_NORMS": "*fp32", "MARGIN": "*fp32", "LIVE": "*i8"}
 
 
 def sass(d: int, dtype: torch.dtype, row_scale: bool) -> tuple[str, str]:
     """(the tiles, the SASS) of the forward kernel at D = Dv = d."""
     cfg = default_configs(d, torch.bfloat16, 8192).fwd
     kernel = triton_kernels.threshold_fwd_kernel
-    name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
     meta, _ = _single_metas(d, d, 2.0, dtype, "ieee", False)
     consts = dict(meta, ROW_SCALE=row_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SKIP_ZERO=False, USE_TMA=False)
-    sig, attrs = {}, {}
-    for i, arg in enumerate(kernel.arg_names):
-        if arg in consts:
-            sig[arg] = "constexpr"
-        elif i < n_ptr:
-            sig[arg], attrs[(i,)] = POINTER_TYPES.get(arg, f"*{name}"), [["tt.divisibility", 16]]
-        else:
-            sig[arg] = "fp32" if arg in ("scale", "power") else "i32"
-            if arg.startswith("stride_") and not arg.endswith("d"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    for arg in kernel.arg_names:  # unit last strides, as a launch specialises them
-        if arg.startswith("stride_") and arg.endswith("d"):
-            sig[arg], consts[arg] = "constexpr", 1
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    compiled = compile_for_sm90(kernel, consts, "bf16" if dtype == torch.bfloat16 else "fp16", "fp32", specialise=True,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     path = f"/tmp/fp16_forward_sass_{os.getpid()}.cubin"
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])

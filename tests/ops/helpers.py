@@ -20,10 +20,6 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2, t
 # amplified ~1e3x (float64 shows it too: 1e-13 instead of 1e-16), so gradients get looser bounds.
 SUBLINEAR_GRAD_TOLERANCE = {torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 2.5e-2, torch.float64: 1e-10}
 
-# Triton signature types of the kernels' non-tensor-dtype pointer arguments, for the sm_90 compile tests
-KERNEL_POINTER_TYPES = {"BETA": "*fp32", "GAINS": "*fp32", "DBETA_ROWS": "*fp32", "ROW_NORMS": "*fp32", "MARGIN": "*fp32", "LIVE": "*i8",
-                        "LUT": "*i32", "COUNTS": "*i32"}
-
 
 def generator(*key) -> torch.Generator:
     """A generator seeded from the test's parameters: fresh, different inputs per case, reproducible."""

@@ -8,9 +8,6 @@ the `gpu`-marked cases run realistic sizes on CUDA (`pytest -m gpu`).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -31,6 +28,7 @@ from lit_thresh.ops.reference import threshold_attention_reference, threshold_at
 from lit_thresh.ops.triton_differential import diff_triton_backward, diff_triton_forward
 from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs
 from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, laid_out, randn, rel_err
+from tests.ops.sm90 import run_without_interpreter
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dbeta", "dlam")
@@ -441,10 +439,9 @@ def test_kernels_compile_for_hopper(tmp_path):
     (FP16_RANGE). fp64 float scalars as torch.compile passes them."""
     script = textwrap.dedent(
         """
-        import torch, triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+        import torch
         from lit_thresh.ops import triton_differential as td
+        from tests.ops.sm90 import compile_for_sm90
 
         cases = [("diff_threshold_fwd_kernel", "fwd", "fp16", torch.float16, 256, 256, 1.5, False),
                  ("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "bf16", torch.bfloat16, 64, 128, 2.0, True),
@@ -460,30 +457,17 @@ def test_kernels_compile_for_hopper(tmp_path):
                   ("diff_threshold_bwd_dkv_kernel", "bwd_dk2", "bf16", torch.bfloat16, 128, 128, 2.0, False)]
         parts = {"bwd_dk2": 2}  # bf16 D = 128 computes dK2 in a second launch (bwd_dk2); bwd_dkv then computes the rest
         for name, which, dtype, torch_dtype, d, dv, power, skip in cases:
-            kernel, cfg = getattr(td, name), getattr(td.default_diff_configs(max(d, dv), torch_dtype), which)
-            n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))  # pointers first
+            cfg = getattr(td.default_diff_configs(max(d, dv), torch_dtype), which)
             flags = (("BETA_GRAD", True), ("LAM_GRAD", True)) if which == "bwd_dq" else ()
             if which.startswith("bwd_dk"):
                 split = td.default_diff_configs(max(d, dv), torch_dtype).bwd_dk2 is not None
                 flags = (("PART", parts.get(which, 1) if split else 0),)
             meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
                             torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)
-            consts = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
-            sig = {}
-            for i, arg in enumerate(kernel.arg_names):
-                if arg in consts:
-                    sig[arg] = "constexpr"
-                elif i < n_ptr:
-                    sig[arg] = "*fp32" if arg in ("BETA", "GAINS", "LAM", "DBETA_ROWS", "DLAM_ROWS", "ROW_NORMS") else f"*{dtype}"
-                else:
-                    sig[arg] = "fp64" if arg in ("scale", "power") else "i32"
-            compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            compiled = compile_for_sm90(getattr(td, name), meta, dtype, num_warps=cfg.num_warps,
+                                        num_stages=cfg.num_stages)
             assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)
         print("compiled")
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    run_without_interpreter(script, tmp_path, timeout=600)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,7 +10,8 @@ import triton
 
 from lit_thresh.ops import api, differential_threshold_rela_triton, threshold_attention, threshold_rela_triton
 from lit_thresh.ops.backend import resolve_backend, triton_interpreting
-from tests.ops.helpers import KERNEL_POINTER_TYPES, generator, randn
+from tests.ops.helpers import generator, randn
+from tests.ops.sm90 import run_without_interpreter
 
 
 def _qkv(hq=2, hkv=2, tq=8, tk=8, d=16, dv=16, b=1, dtype=torch.float32):
@@ -159,10 +157,11 @@ def test_kernels_compile_for_hopper(tmp_path):
     fp64, as torch.compile passes Python floats to user kernels."""
     script = textwrap.dedent(
         """
-        import itertools, triton
+        import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from lit_thresh.ops import triton_kernels as tk
+        from tests.ops.sm90 import compile_for_sm90
 
         names = ("threshold_fwd_kernel", "threshold_bwd_dkv_kernel", "threshold_bwd_dq_kernel")
         shapes = {"fp16": (48, 0, "fp32"), "bf16": (64, 2, "fp64"), "fp32": (128, 1, "fp32")}
@@ -171,24 +170,11 @@ def test_kernels_compile_for_hopper(tmp_path):
         cases += [("threshold_fwd_kernel", "fp16", True, (64, 2, "fp32")),
                   ("threshold_live_tiles_kernel", "fp32", True, shapes["fp32"])]
         for name, dtype, skip, (d, power_mode, float_type) in cases:
-            kernel = getattr(tk, name)
-            n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
             consts = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d),
                           BLOCK_M=64, BLOCK_N=64, POWER_MODE=power_mode, ROW_SCALE=dtype == "fp16",
                           PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=skip,
                           USE_TMA=False, FP16_RANGE=False, BETA_GRAD=True)
-            consts = {arg: value for arg, value in consts.items() if arg in kernel.arg_names}
-            sig = {}
-            for i, arg in enumerate(kernel.arg_names):
-                if arg in consts:
-                    sig[arg] = "constexpr"
-                elif i < n_ptr:
-                    sig[arg] = POINTER_TYPES.get(arg, f"*{dtype}")
-                elif arg in ("scale", "power"):
-                    sig[arg] = float_type
-                else:
-                    sig[arg] = "i32"
-            triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+            compile_for_sm90(getattr(tk, name), consts, dtype, float_type)
         norms = tk.row_norms_kernel  # (X, OUT, ints...): the launcher's constexprs at D = 200 and 64
         for x_type, d, block_d, block_t in (("*bf16", 200, 256, 32), ("*fp16", 64, 64, 128)):
             sig = {arg: x_type if arg == "X" else "*fp32" if arg == "OUT" else "i32" for arg in norms.arg_names}
@@ -203,8 +189,5 @@ def test_kernels_compile_for_hopper(tmp_path):
             triton.compile(ASTSource(fn=lists, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         print("compiled")
         """
-    ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    )
+    run_without_interpreter(script, tmp_path, timeout=600)

@@ -9,9 +9,6 @@ inf or NaN inputs reach only what depends on them.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,8 +17,9 @@ import torch
 from lit_thresh.ops import threshold_attention
 from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
 from tests.ops.helpers import (
-    KERNEL_POINTER_TYPES, TOLERANCE, assert_rows_close, generator, randn, reference_with_grads, rel_err,
+    TOLERANCE, assert_rows_close, generator, randn, reference_with_grads, rel_err,
 )
+from tests.ops.sm90 import run_without_interpreter
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 FP16_MAX = 65504.0
@@ -211,46 +209,24 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
     As torch.compile does, the float scalars are fp64; pointers and strides as a launch specialises them."""
     script = textwrap.dedent(
         """
-        import torch, triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+        import torch
         from lit_thresh.ops import triton_kernels as tk
         from lit_thresh.ops.triton_launch import _single_metas, default_configs
+        from tests.ops.sm90 import compile_for_sm90
 
         cfgs = default_configs(128, torch.float16)
         cases = [("threshold_fwd_kernel", "fwd", power) for power in (1.0, 2.0, 0.5)]
         cases += [(name, which, power) for name, which in (("threshold_bwd_dkv_kernel", "bwd_dkv"),
                   ("threshold_bwd_dq_kernel", "bwd_dq")) for power in (1.0, 2.0, 1.5, 0.5)]
         for name, which, power in cases:
-            kernel, cfg = getattr(tk, name), getattr(cfgs, which)
-            n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
+            cfg = getattr(cfgs, which)
             fwd_meta, bwd_meta = _single_metas(128, 128, power, torch.float16, "ieee", False)
             consts = dict(fwd_meta if which == "fwd" else bwd_meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                          SKIP_ZERO=False, USE_TMA=False)
-            if which == "bwd_dq":
-                consts["BETA_GRAD"] = True
-            sig, attrs = {}, {}
-            for i, arg in enumerate(kernel.arg_names):
-                if arg in consts:
-                    sig[arg] = "constexpr"
-                elif i < n_ptr:
-                    sig[arg] = POINTER_TYPES.get(arg, "*fp16")
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-                else:
-                    sig[arg] = "fp64" if arg in ("scale", "power") else "i32"
-                    if arg.startswith("stride_") and not arg.endswith("d"):
-                        attrs[(i,)] = [["tt.divisibility", 16]]
-            for arg in kernel.arg_names:  # unit last strides, as a launch specialises them
-                if arg.startswith("stride_") and arg.endswith("d"):
-                    sig[arg], consts[arg] = "constexpr", 1
-            compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                                      target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                          SKIP_ZERO=False, USE_TMA=False, BETA_GRAD=True)
+            compiled = compile_for_sm90(getattr(tk, name), consts, "fp16", specialise=True, num_warps=cfg.num_warps,
+                                        num_stages=cfg.num_stages)
             assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)
         print("compiled")
         """
-    ).replace("POINTER_TYPES", repr(KERNEL_POINTER_TYPES))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    )
+    run_without_interpreter(script, tmp_path, timeout=900)

@@ -1,0 +1,58 @@
+"""Kernels compiled for sm_90 without a GPU (Triton's ASTSource down to a cubin), with the argument types a
+launch gives them. The compile tests call compile_for_sm90 in a process without TRITON_INTERPRET
+(run_without_interpreter); results/fp16_forward_sass.py disassembles what it returns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: `tests` importable from a script run anywhere
+POINTER_TYPES = {  # the kernels' pointer arguments that are not inputs or outputs of the input dtype
+    "BETA": "*fp32", "GAINS": "*fp32", "LAM": "*fp32", "DBETA_ROWS": "*fp32", "DLAM_ROWS": "*fp32",
+    "ROW_NORMS": "*fp32", "MARGIN": "*fp32", "LIVE": "*i8", "LUT": "*i32", "COUNTS": "*i32",
+}
+
+
+def compile_for_sm90(kernel, constexprs: dict, element_type: str, float_type: str = "fp64", specialise: bool = False,
+                     **options):
+    """kernel (a triton.jit function) compiled for sm_90. Its arguments: the constexprs it takes from
+    `constexprs`; pointers (every argument before the first stride_) typed by POINTER_TYPES, else pointers to
+    element_type ("bf16", "fp16", "fp32"); scale and power float_type ("fp64": torch.compile passes Python floats
+    so); other ints i32. specialise: as a launch on 16-byte-aligned tensors with unit last strides specialises
+    them (pointers and the other strides divisible by 16, each last stride the constexpr 1). options: Triton's
+    compile options (num_warps, num_stages)."""
+    consts = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
+    n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
+    sig, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif specialise and arg.startswith("stride_") and arg.endswith("d"):  # a last stride (stride_qd, ...)
+            sig[arg], consts[arg] = "constexpr", 1
+        elif i < n_ptr:
+            sig[arg] = POINTER_TYPES.get(arg, f"*{element_type}")
+            if specialise:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[arg] = float_type if arg in ("scale", "power") else "i32"
+            if specialise and arg.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def run_without_interpreter(script: str, cache_dir: Path, timeout: int) -> None:
+    """Runs a Python script in a new process without TRITON_INTERPRET (Triton compiles for real), with its own
+    Triton cache and this repository importable; it must exit cleanly and print "compiled"."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
