@@ -439,7 +439,8 @@ def host_overhead(calls: int = 400, repeats: int = 7) -> list[HostResult]:
     Triton launches stubbed out ('no launch'): our Python and torch ops; the difference is the launcher.
     Each case repeats one signature, so from its third call it runs planned (lit_thresh/ops/call_plans.py).
     A training step's forward records its gradient: the 'grad recorded' rows (their graph freed unused), with
-    beta an nn.Parameter as a model's learned beta is."""
+    beta an nn.Parameter as a model's learned beta is. The fused differential op's rows (where lit_thresh.ops has
+    it) take q1, q2, k1, k2, v at half the head dim and a 0-d lambda, as the diff_threshold variant passes them."""
     from lit_thresh.ops import threshold_attention
 
     q, k, v = (_randn(1, 2, 128, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
@@ -453,14 +454,25 @@ def host_overhead(calls: int = 400, repeats: int = 7) -> list[HostResult]:
         "threshold p=2 forward (grad recorded, no backward)": lambda: threshold_attention(q, k, v, beta, 2.0),
         "threshold p=2 forward + backward": lambda: threshold_attention(q, k, v, beta, 2.0).backward(dout),
     }
+    fused = _differential_op()
+    if fused is not None:  # q1, q2, k1, k2, v at half the head dim, as the diff_threshold variant splits them
+        q1, q2, k1, k2, vh = (_randn(1, 2, 128, 32, dtype=torch.bfloat16).requires_grad_() for _ in range(5))
+        lam = torch.tensor(0.3, device="cuda", requires_grad=True)  # the variant's lambda: 0-d
+        halves = [t.detach() for t in (q1, q2, k1, k2, vh)]
+        dout_h = _randn(1, 2, 128, 32, dtype=torch.bfloat16)
+        ours["differential p=2 forward (no grad)"] = lambda: fused(*halves, 0.5, 0.3, 2.0)
+        ours["differential p=2 forward (grad recorded, no backward)"] = lambda: fused(q1, q2, k1, k2, vh, beta, lam, 2.0)
+        ours["differential p=2 forward + backward"] = (
+            lambda: fused(q1, q2, k1, k2, vh, beta, lam, 2.0).backward(dout_h))
     sdpa = {
         "sdpa forward (no grad)": lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True),
         "sdpa forward (grad recorded, no backward)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "sdpa forward + backward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout),
     }
     cases = [(name, fn, contextlib.nullcontext) for name, fn in {**ours, **sdpa}.items()]
-    cases += [(f"{name} [Triton's launch path]", fn, triton_path_launches) for name, fn in ours.items()]
-    cases += [(f"{name} [no launch]", fn, stubbed_launches) for name, fn in ours.items()]
+    single = {name: fn for name, fn in ours.items() if name.startswith("threshold")}  # what those contexts swap
+    cases += [(f"{name} [Triton's launch path]", fn, triton_path_launches) for name, fn in single.items()]
+    cases += [(f"{name} [no launch]", fn, stubbed_launches) for name, fn in single.items()]
     times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     for _ in range(repeats):
         for name, fn, launches in cases:

@@ -204,11 +204,34 @@ def differential_threshold_attention(
     Returns (B, Hq, Tq, Dv) in the input dtype; equals threshold_attention(q1, k1, v, beta, power) -
     lam * threshold_attention(q2, k2, v, beta, power) at one pass over v.
     """
-    if isinstance(q1, torch.Tensor) and torch.is_autocast_enabled(q1.device.type):
-        dtype = torch.get_autocast_dtype(q1.device.type)
+    if isinstance(q1, torch.Tensor) and torch.is_autocast_enabled(device_type := _device_type(q1)):
+        dtype = torch.get_autocast_dtype(device_type)
         q1, q2, k1, k2, v = (
             t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q1, q2, k1, k2, v)
         )
+    key = call_plans.differential_signature(q1, q2, k1, k2, v, beta, lam, power, scale, backend)
+    plan = call_plans.plan_for(key)
+    if plan is None:  # the checks, then the op; the signature's plan kept once it comes again
+        return _checked_differential_threshold_attention(q1, q2, k1, k2, v, beta, lam, power, scale, backend, key)
+    heads = q1.shape[1]
+    if plan.beta is not None:
+        beta = plan.beta
+    elif plan.beta_converted:
+        beta = _beta_per_head(beta, heads, q1.device, q1.dtype)
+    if plan.lam is not None:
+        lam = plan.lam
+    elif plan.lam_converted:
+        lam = _beta_per_head(lam, heads, q1.device, q1.dtype, name="lam")
+    return differential_threshold_attention_apply(q1, q2, k1, k2, v, beta, lam, plan.power, plan.scale, plan.backend)
+
+
+def _checked_differential_threshold_attention(
+    q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
+    beta: float | torch.Tensor, lam: float | torch.Tensor, power: float, scale: float, backend: Backend,
+    key: tuple | None,
+) -> torch.Tensor:
+    """differential_threshold_attention after autocast: its checks, the op, then the call's plan noted under
+    key (call_plans.remember)."""
     _check_same(q1, q2, "q1", "q2")
     _check_same(k1, k2, "k1", "k2")
     _check_qkv(q1, k1, v, ("q1", "k1", "v"))
@@ -217,9 +240,21 @@ def differential_threshold_attention(
         raise TypeError(f"scale must be a finite float, got {scale!r}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    scale = float(scale)
     heads = q1.shape[1]
     beta_h = _beta_per_head(beta, heads, q1.device, q1.dtype)  # (Hq,)
     lam_h = _beta_per_head(lam, heads, q1.device, q1.dtype, name="lam")  # (Hq,)
-    return differential_threshold_attention_apply(
-        q1, q2, k1, k2, v, beta_h, lam_h, power, float(scale), resolve_backend(backend, q1)
-    )
+    backend = resolve_backend(backend, q1)
+    out = differential_threshold_attention_apply(q1, q2, k1, k2, v, beta_h, lam_h, power, scale, backend)
+
+    def plan() -> call_plans.DifferentialPlan:
+        constant_beta = beta_h if type(beta) is float else None
+        constant_lam = lam_h if type(lam) is float else None
+        if q1.is_cuda and (constant_beta is not None or constant_lam is not None):  # filled on this stream
+            torch.cuda.current_stream(q1.device).synchronize()
+        return call_plans.DifferentialPlan(
+            backend, power, scale, constant_beta, beta_h is not beta and constant_beta is None,
+            constant_lam, lam_h is not lam and constant_lam is None)
+
+    call_plans.remember(key, plan)
+    return out

@@ -8,7 +8,8 @@ inference mode; for CUDA tensors the current device and CUDA-graph capture, for 
 TRITON_INTERPRET). The second time a signature comes, its plan is kept; from the third on, the call skips
 the checks it passed, and on CUDA its forward launches the prepared kernel (triton_launch.PreparedForward)
 instead of going through the launcher, with or without a gradient to record (but not where a backward will
-skip by skip_zero's tile map): lit_thresh/ops/PERF.md v21. Calls under torch.compile or functorch transforms
+skip by skip_zero's tile map): lit_thresh/ops/PERF.md v21. The differential op's calls are planned the same
+way (differential_signature), without a prepared forward. Calls under torch.compile or functorch transforms
 (vmap), or on tensor subclasses, have no signature and always take the checked path.
 """
 
@@ -38,7 +39,21 @@ class CallPlan:
     forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
 
 
-_PLANS: dict[tuple, CallPlan | None] = {}  # signature -> its plan, or None once seen
+@dataclass(frozen=True, slots=True)
+class DifferentialPlan:
+    """What a checked call of the differential op resolved to: as CallPlan's fields, for beta and for lam
+    (no prepared forward: the op launches through its launcher)."""
+
+    backend: str
+    power: float
+    scale: float
+    beta: torch.Tensor | None
+    beta_converted: bool
+    lam: torch.Tensor | None
+    lam_converted: bool
+
+
+_PLANS: dict[tuple, CallPlan | DifferentialPlan | None] = {}  # signature -> its plan, or None once seen
 _TENSOR_BETAS = (torch.Tensor, torch.nn.Parameter)  # a model's beta is a Parameter when it is learned
 _CAPTURING = 2  # where the signature's device state says that a CUDA graph is being captured
 
@@ -73,7 +88,41 @@ def signature(q: object, k: object, v: object, beta: object, power: object, scal
             type(backend), backend, type(skip_zero), skip_zero, precision, torch.is_inference_mode_enabled(), state)
 
 
-def plan_for(key: tuple | None) -> CallPlan | None:
+def _per_head_key(x: object) -> object:
+    """A beta's or lam's part of a signature: a tensor's (or Parameter's) layout, a float's value; raises
+    TypeError for anything else (no plan) and RuntimeError for a tensor without storage (functorch)."""
+    if type(x) in _TENSOR_BETAS:
+        return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15
+    if type(x) is float:
+        return x
+    raise TypeError
+
+
+def differential_signature(q1: object, q2: object, k1: object, k2: object, v: object, beta: object, lam: object,
+                           power: object, scale: object, backend: object) -> tuple | None:
+    """The differential op's signature, as signature's (its last entry the same device state), or None where
+    its calls are not planned."""
+    if torch.compiler.is_compiling():
+        return None
+    tensors = (q1, q2, k1, k2, v)
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return None
+    try:
+        layouts = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors)
+        beta_key, lam_key = _per_head_key(beta), _per_head_key(lam)
+    except (TypeError, RuntimeError):  # a beta or lam neither tensor nor float; functorch-wrapped tensors
+        return None
+    precision = torch.get_float32_matmul_precision() if q1.dtype == torch.float32 else None
+    if q1.is_cuda:
+        state = (True, torch.cuda.current_device(), torch.cuda.is_current_stream_capturing())
+    else:
+        state = (False, triton_interpreting(), False)
+    return ("differential", layouts, type(beta), beta_key, type(lam), lam_key, type(power), power, type(scale), scale,
+            type(backend), backend, precision, torch.is_inference_mode_enabled(), state)
+
+
+def plan_for(key: tuple | None) -> CallPlan | DifferentialPlan | None:
     """The plan kept for a signature (None: none yet, or no signature; or an unhashable argument, which the
     checks then refuse)."""
     if key is None:
@@ -84,7 +133,7 @@ def plan_for(key: tuple | None) -> CallPlan | None:
         return None
 
 
-def remember(key: tuple | None, make: Callable[[], CallPlan]) -> None:
+def remember(key: tuple | None, make: Callable[[], CallPlan | DifferentialPlan]) -> None:
     """After a checked call of signature `key`: the first time, note it; the second, keep make()'s plan. Not
     while a CUDA graph is captured (its tensors belong to the graph)."""
     if key is None or key[-1][_CAPTURING]:

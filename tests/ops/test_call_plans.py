@@ -11,7 +11,10 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from triton.runtime.jit import JITFunction
 
-from lit_thresh.ops import api, call_plans, chunked, fast_launch, threshold_attention, triton_launch
+from lit_thresh.ops import (
+    api, call_plans, chunked, differential_threshold_attention, fast_launch, threshold_attention, triton_launch,
+)
+from lit_thresh.ops.reference import threshold_attention_reference
 from lit_thresh.ops.triton_kernels import threshold_fwd_kernel
 from tests.ops.helpers import TOLERANCE, generator, randn, reference_with_grads, rel_err
 
@@ -410,3 +413,81 @@ def test_no_plan_is_kept_while_a_cuda_graph_is_captured():
     graph.replay()
     assert call_plans._PLANS == kept
     torch.testing.assert_close(out, threshold_attention(q, k, v, beta, 2.0), rtol=0, atol=0)
+
+
+def _diff_inputs(gen, dtype=torch.float64, device="cpu"):
+    """q1, q2 (1, 2, 24, 16), k1, k2 (1, 1, 24, 16) (GQA), v (1, 1, 24, 8)."""
+    q1, q2 = (randn(gen, 1, 2, 24, 16, dtype=dtype, device=device) for _ in range(2))
+    k1, k2 = (randn(gen, 1, 1, 24, 16, dtype=dtype, device=device) for _ in range(2))
+    return q1, q2, k1, k2, randn(gen, 1, 1, 24, 8, dtype=dtype, device=device)
+
+
+def test_the_differential_signature_tells_apart_everything_its_checks_read(monkeypatch):
+    q1, q2, k1, k2, v = _diff_inputs(generator("diff-signature"), dtype=torch.float32)
+    beta, lam = torch.full((2,), 0.5), torch.tensor(0.3)
+    tensors = (q1, q2, k1, k2, v)
+    base = call_plans.differential_signature(*tensors, beta, lam, 2.0, 1.0, "auto")
+    assert base == call_plans.differential_signature(*(t.clone() for t in tensors), beta.clone(), lam.clone(), 2.0,
+                                                     1.0, "auto")
+    variants = []
+    for i, t in enumerate(tensors):  # each tensor in another layout, dtype or shape
+        padded = t.new_zeros(*t.shape[:-1], t.shape[-1] + 4)[..., : t.shape[-1]].copy_(t)  # rows 4 elements apart
+        for other in (padded, t.double(), t[..., :4]):
+            variants.append(tensors[:i] + (other,) + tensors[i + 1:] + (beta, lam, 2.0, 1.0, "auto"))
+    variants += [
+        (*tensors, beta.double(), lam, 2.0, 1.0, "auto"), (*tensors, 0.5, lam, 2.0, 1.0, "auto"),
+        (*tensors, 0.25, lam, 2.0, 1.0, "auto"), (*tensors, beta, lam.reshape(1), 2.0, 1.0, "auto"),
+        (*tensors, beta, 0.3, 2.0, 1.0, "auto"), (*tensors, beta, 0.4, 2.0, 1.0, "auto"),
+        (*tensors, beta, lam, 2, 1.0, "auto"), (*tensors, beta, lam, 1.0, 1.0, "auto"),
+        (*tensors, beta, lam, 2.0, 1, "auto"), (*tensors, beta, lam, 2.0, 0.5, "auto"),
+        (*tensors, beta, lam, 2.0, 1.0, "torch"),
+    ]
+    keys = [call_plans.differential_signature(*variant) for variant in variants]
+    assert None not in keys and len({base, *keys}) == len(keys) + 1
+    assert call_plans.signature(q1, k1, v, beta, 2.0, 1.0, "auto", False) not in {base, *keys}
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
+    assert call_plans.differential_signature(*tensors, beta, lam, 2.0, 1.0, "auto") != base
+    monkeypatch.undo()
+
+    class Sub(torch.Tensor):
+        pass
+
+    for no_plan in [(q1.as_subclass(Sub), *tensors[1:], beta, lam), (*tensors[:4], "v", beta, lam),
+                    (*tensors, 1, lam), (*tensors, beta, True), (*tensors, beta, None)]:
+        assert call_plans.differential_signature(*no_plan, 2.0, 1.0, "auto") is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_planned_differential_calls_skip_the_checks_and_keep_every_gradient(monkeypatch, backend):
+    """From the third call of a signature the differential op skips its checks; a float beta and lam become kept
+    (Hq,) tensors, a 0-d lam requiring grad is converted at each call and gets its gradient in its own shape, and
+    outputs and the gradients of q1, q2, k1, k2, v and lam match the float64 reference at every call."""
+    checks = []
+    check_same = api._check_same
+    monkeypatch.setattr(api, "_check_same", lambda *a: (checks.append(1), check_same(*a))[1])
+    gen = generator("diff-planned", backend)
+    dtype = torch.float64 if backend == "torch" else torch.float32  # the Triton kernels take no float64
+    leaves = [t.requires_grad_() for t in _diff_inputs(gen, dtype)]
+    dout = randn(gen, 1, 2, 24, 8, dtype=dtype)
+    for _ in range(4):
+        for t in leaves:
+            t.grad = None
+        lam = torch.tensor(0.3, dtype=dtype, requires_grad=True)
+        out = differential_threshold_attention(*leaves, 0.5, lam, 2.0, scale=0.7, backend=backend)
+        out.backward(dout)
+        group = [t.detach().requires_grad_() for t in leaves]
+        lam_ref = lam.detach().requires_grad_()
+        k1r, k2r, vr = (t.repeat_interleave(2, 1) for t in group[2:])  # GQA: each kv head serves two query heads
+        ref = (threshold_attention_reference(group[0], k1r, vr, 0.5, 2.0, 0.7)
+               - lam_ref * threshold_attention_reference(group[1], k2r, vr, 0.5, 2.0, 0.7))
+        want = torch.autograd.grad(ref, (*group, lam_ref), dout)
+        assert rel_err(out, ref) < TOLERANCE[dtype]
+        for got, w in zip((*(t.grad for t in leaves), lam.grad), want):
+            assert got.shape == w.shape and rel_err(got, w) < TOLERANCE[dtype]
+    assert len(checks) == 2 * 2  # two checked calls, each checking the q and k pairs
+    (plan,) = call_plans._PLANS.values()
+    assert isinstance(plan, call_plans.DifferentialPlan) and plan.backend == backend
+    assert torch.equal(plan.beta, torch.full((2,), 0.5, dtype=plan.beta.dtype)) and not plan.beta_converted
+    assert plan.lam is None and plan.lam_converted
+    with pytest.raises(ValueError, match="q2 must have the shape of q1"):  # another signature: checked again
+        differential_threshold_attention(leaves[0], leaves[1][:, :1], *leaves[2:], 0.5, lam, 2.0, backend=backend)
