@@ -54,9 +54,9 @@ def outputs(ops, dtype: torch.dtype) -> list[torch.Tensor]:
     return got
 
 
-def main(names: list[str]) -> None:
-    print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    versions = {name: importlib.import_module(f"lit_thresh_{name}.ops") for name in names}
+def check_versions(versions: dict, outputs) -> None:
+    """Print whether each version's outputs(ops, dtype) equal the first version's, bit for bit, in bf16 and fp16."""
+    names = list(versions)
     for dtype in (torch.bfloat16, torch.float16):
         first = None
         for name, ops in versions.items():
@@ -64,6 +64,23 @@ def main(names: list[str]) -> None:
             first = first or got
             same = all(torch.equal(a, b) for a, b in zip(got, first))
             print(f"{dtype}: {name} outputs and gradients equal to {names[0]}'s: {same}")
+
+
+def time_cases(timed: dict, title: str) -> None:
+    """Host time per call of each case, interleaved in ROUNDS loops of N calls: median [min - max], us."""
+    times: dict[str, list[float]] = {case: [] for case in timed}
+    for _ in range(ROUNDS):
+        for case, fn in timed.items():
+            times[case].append(_host_us(fn, N))
+    print(f"\nhost us per call, {title}, median [min - max] of {ROUNDS} loops of {N} calls")
+    for case, ts in times.items():
+        print(f"  {case:<58} {statistics.median(ts):8.1f} [{min(ts):.1f} - {max(ts):.1f}]")
+
+
+def main(names: list[str]) -> None:
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    versions = {name: importlib.import_module(f"lit_thresh_{name}.ops") for name in names}
+    check_versions(versions, outputs)
     qd, kd, vd = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     timed = {f"{name}: {case}": fn for name, ops in versions.items()
              for case, fn in cases(ops, torch.bfloat16).items()}
@@ -71,13 +88,7 @@ def main(names: list[str]) -> None:
     timed["sdpa: forward, no grad"] = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
     timed["sdpa: forward with grad (no backward)"] = lambda: F.scaled_dot_product_attention(*leaves, is_causal=True)
     timed["sdpa: forward + backward"] = lambda: F.scaled_dot_product_attention(*leaves, is_causal=True).backward(qd)
-    times: dict[str, list[float]] = {case: [] for case in timed}
-    for _ in range(ROUNDS):
-        for case, fn in timed.items():
-            times[case].append(_host_us(fn, N))
-    print(f"\nhost us per call, bf16 (1, 2, 128, 64), median [min - max] of {ROUNDS} loops of {N} calls")
-    for case, ts in times.items():
-        print(f"  {case:<58} {statistics.median(ts):8.1f} [{min(ts):.1f} - {max(ts):.1f}]")
+    time_cases(timed, "bf16 (1, 2, 128, 64)")
 
 
 if __name__ == "__main__":

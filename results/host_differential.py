@@ -2,7 +2,7 @@
 (call_plans.differential_signature), two versions of the package in one process (the recipe of
 results/host_call_plans.py). Tiny (1, 2, 128, 32) bf16 q1, q2, k1, k2, v (kernel time far below the host's), no
 synchronisation in the loops, the cases interleaved: median [min - max] over 7 loops of 300 calls, in us
-(bench._host_us). The training cases pass beta as an nn.Parameter and lambda as a 0-d tensor requiring grad, as
+(host_call_plans.time_cases). The training cases pass beta as an nn.Parameter and lambda as a 0-d tensor requiring grad, as
 the diff_threshold variant does. Each version's outputs and gradients are checked against the first's (bit for
 bit) before timing:
 
@@ -10,14 +10,11 @@ bit) before timing:
 """
 
 import importlib
-import statistics
 import sys
 
 import torch
 
-from lit_thresh.bench import _host_us
-
-N, ROUNDS = 300, 7
+from host_call_plans import check_versions, time_cases  # this folder is the script's first path entry
 
 
 def cases(ops) -> dict:
@@ -56,21 +53,9 @@ def outputs(ops, dtype: torch.dtype) -> list[torch.Tensor]:
 def main(names: list[str]) -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     versions = {name: importlib.import_module(f"lit_thresh_{name}.ops") for name in names}
-    for dtype in (torch.bfloat16, torch.float16):
-        first = None
-        for name, ops in versions.items():
-            got = outputs(ops, dtype)
-            first = first or got
-            same = all(torch.equal(a, b) for a, b in zip(got, first))
-            print(f"{dtype}: {name} outputs and gradients equal to {names[0]}'s: {same}")
+    check_versions(versions, outputs)
     timed = {f"{name}: {case}": fn for name, ops in versions.items() for case, fn in cases(ops).items()}
-    times: dict[str, list[float]] = {case: [] for case in timed}
-    for _ in range(ROUNDS):
-        for case, fn in timed.items():
-            times[case].append(_host_us(fn, N))
-    print(f"\nhost us per call, bf16 (1, 2, 128, 32), median [min - max] of {ROUNDS} loops of {N} calls")
-    for case, ts in times.items():
-        print(f"  {case:<50} {statistics.median(ts):8.1f} [{min(ts):.1f} - {max(ts):.1f}]")
+    time_cases(timed, "bf16 (1, 2, 128, 32)")
 
 
 if __name__ == "__main__":
