@@ -222,7 +222,8 @@ def differential_threshold_attention(
         lam = plan.lam
     elif plan.lam_converted:
         lam = _beta_per_head(lam, heads, q1.device, q1.dtype, name="lam")
-    return differential_threshold_attention_apply(q1, q2, k1, k2, v, beta, lam, plan.power, plan.scale, plan.backend)
+    return differential_threshold_attention_apply(q1, q2, k1, k2, v, beta, lam, plan.power, plan.scale, plan.backend,
+                                                  plan.forward)
 
 
 def _checked_differential_threshold_attention(
@@ -248,13 +249,18 @@ def _checked_differential_threshold_attention(
     out = differential_threshold_attention_apply(q1, q2, k1, k2, v, beta_h, lam_h, power, scale, backend)
 
     def plan() -> call_plans.DifferentialPlan:
+        forward = None
+        if backend == "triton" and q1.numel():
+            from lit_thresh.ops.triton_differential import prepare_diff_forward
+
+            forward = prepare_diff_forward(q1, q2, k1, k2, v, beta_h, lam_h, power, scale)
         constant_beta = beta_h if type(beta) is float else None
         constant_lam = lam_h if type(lam) is float else None
         if q1.is_cuda and (constant_beta is not None or constant_lam is not None):  # filled on this stream
             torch.cuda.current_stream(q1.device).synchronize()
         return call_plans.DifferentialPlan(
             backend, power, scale, constant_beta, beta_h is not beta and constant_beta is None,
-            constant_lam, lam_h is not lam and constant_lam is None)
+            constant_lam, lam_h is not lam and constant_lam is None, forward)
 
     call_plans.remember(key, plan)
     return out

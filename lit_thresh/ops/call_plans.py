@@ -9,8 +9,9 @@ TRITON_INTERPRET). The second time a signature comes, its plan is kept; from the
 the checks it passed, and on CUDA its forward launches the prepared kernel (triton_launch.PreparedForward)
 instead of going through the launcher, with or without a gradient to record (but not where a backward will
 skip by skip_zero's tile map): lit_thresh/ops/PERF.md v21. The differential op's calls are planned the same
-way (differential_signature), without a prepared forward. Calls under torch.compile or functorch transforms
-(vmap), or on tensor subclasses, have no signature and always take the checked path.
+way (differential_signature; its forward prepared by triton_differential.prepare_diff_forward). Calls under
+torch.compile or functorch transforms (vmap), or on tensor subclasses, have no signature and always take the
+checked path.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class CallPlan:
 
 @dataclass(frozen=True, slots=True)
 class DifferentialPlan:
-    """What a checked call of the differential op resolved to: as CallPlan's fields, for beta and for lam
-    (no prepared forward: the op launches through its launcher)."""
+    """What a checked call of the differential op resolved to: as CallPlan's fields, for beta and for lam, and
+    its prepared forward (triton_differential.PreparedDiffForward)."""
 
     backend: str
     power: float
@@ -51,6 +52,7 @@ class DifferentialPlan:
     beta_converted: bool
     lam: torch.Tensor | None
     lam_converted: bool
+    forward: Callable[..., torch.Tensor] | None
 
 
 _PLANS: dict[tuple, CallPlan | DifferentialPlan | None] = {}  # signature -> its plan, or None once seen

@@ -8,6 +8,8 @@ costs less host time per call than the op's dispatch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lit_thresh.ops.chunked_differential import chunked_differential_backward, chunked_differential_forward
@@ -112,13 +114,14 @@ class _EagerDifferentialThresholdAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs) -> torch.Tensor:  # not setup_context: Function.apply would inspect.signature
-        out = _forward(*inputs)
+        *inputs, prepared = inputs  # prepared: a call plan's forward (None: the launcher's path)
+        out = _forward(*inputs) if prepared is None else prepared(*inputs[:7])
         _setup_context(ctx, inputs, out)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        return _grads(ctx, dout, _backward)
+        return *_grads(ctx, dout, _backward), None
 
 
 def differential_threshold_attention_apply(
@@ -132,19 +135,25 @@ def differential_threshold_attention_apply(
     power: float,
     scale: float,
     backend: str,
+    prepared: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The op on checked inputs: the custom op while tracing (torch.compile, export, fake tensors), else the
     same code as an autograd.Function, or with no gradient to record (function.records_nothing) the forward
     alone. For the Triton kernels (one set of strides per q or k pair) a pair
     with different layouts is made to share one here, once, by copying one of the two: forward and backward
-    then read the same tensors (gradients reach the copied input through the copy)."""
-    if backend == "triton":
+    then read the same tensors (gradients reach the copied input through the copy). prepared: the forward a
+    call plan prepared for these inputs (triton_differential.PreparedDiffForward, only for pairs whose strides
+    match), launched in place of the launcher's path."""
+    if backend == "triton" and prepared is None:
         from lit_thresh.ops.triton_differential import match_strides
 
         q1, q2 = match_strides(q1, q2)
         k1, k2 = match_strides(k1, k2)
     if type(q1) is torch.Tensor and not torch.compiler.is_compiling():
-        if records_nothing(q1, q2, k1, k2, v, beta, lam):
-            return _forward(q1, q2, k1, k2, v, beta, lam, power, scale, backend)  # no autograd node
-        return _EagerDifferentialThresholdAttention.apply(q1, q2, k1, k2, v, beta, lam, power, scale, backend)
+        if records_nothing(q1, q2, k1, k2, v, beta, lam):  # no autograd node
+            if prepared is not None:
+                return prepared(q1, q2, k1, k2, v, beta, lam)
+            return _forward(q1, q2, k1, k2, v, beta, lam, power, scale, backend)
+        return _EagerDifferentialThresholdAttention.apply(q1, q2, k1, k2, v, beta, lam, power, scale, backend,
+                                                          prepared)
     return differential_threshold_attention_op(q1, q2, k1, k2, v, beta, lam, power, scale, backend)

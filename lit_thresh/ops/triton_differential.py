@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from lit_thresh.ops.backend import triton_interpreting
-from lit_thresh.ops.fast_launch import FastLaunch
+from lit_thresh.ops.fast_launch import FastLaunch, launch
 from lit_thresh.ops.triton_kernels import (
     _any_live,
     _as_fp32,
@@ -50,6 +51,7 @@ from lit_thresh.ops.triton_launch import (
     KernelConfigs,
     _block_dim,
     _empty_like_layout,
+    _on_current_cuda_device,
     _power_mode,
     _precision,
     gain_table,
@@ -599,6 +601,22 @@ def _meta(cfg: BlockConfig, d: int, dv: int, power: float, dtype: torch.dtype, p
     ))
 
 
+def _forward_launch(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
+                    beta: torch.Tensor, lam: torch.Tensor, power: float, scale: float,
+                    configs: KernelConfigs | None) -> tuple:
+    """What diff_triton_forward launches, (grid, tensors, scalars, constexprs), and its output, for q and k
+    pairs whose strides match."""
+    (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
+    out = _empty_like_layout(q1, (b, hq, tq, dv))
+    cfg = (configs or default_diff_configs(max(d, dv), q1.dtype)).fwd
+    meta = _kernel_meta(cfg, q1, d, dv, power, True)
+    k_norms = stacked_row_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
+    grid = (-(-tq // cfg.block_m), b * hq)  # ceil-division in plain ints: no triton.cdiv
+    tensors = (q1, q2, k1, k2, v, out, beta, gain_table(q1.device, d, tk + cfg.block_m), lam, k_norms)
+    scalars = (*q1.stride(), *k1.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power)
+    return grid, tensors, scalars, meta, out
+
+
 def diff_triton_forward(
     q1: torch.Tensor,  # (B, Hq, Tq, D)
     q2: torch.Tensor,  # (B, Hq, Tq, D)
@@ -614,20 +632,51 @@ def diff_triton_forward(
     """Forward pass; returns (B, Hq, Tq, Dv) in q1's dtype. configs: tiles, warps, stages and skip_zero per
     kernel (default_diff_configs when None); these kernels read through pointers, so `tma` is not used.
     A q (k) pair with different strides is matched here by match_strides (the op does it once, before)."""
-    (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
-    out = _empty_like_layout(q1, (b, hq, tq, dv))
     q1, q2 = match_strides(q1, q2)
     k1, k2 = match_strides(k1, k2)
-    cfg = (configs or default_diff_configs(max(d, dv), q1.dtype)).fwd
-    meta = _kernel_meta(cfg, q1, d, dv, power, True)
-    k_norms = stacked_row_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
-    _FWD(
-        (-(-tq // cfg.block_m), b * hq),  # ceil-division in plain ints: no triton.cdiv
-        (q1, q2, k1, k2, v, out, beta, gain_table(q1.device, d, tk + cfg.block_m), lam, k_norms),
-        (*q1.stride(), *k1.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power),
-        meta,
-    )
+    grid, tensors, scalars, meta, out = _forward_launch(q1, q2, k1, k2, v, beta, lam, power, scale, configs)
+    _FWD(grid, tensors, scalars, meta)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDiffForward:
+    """diff_triton_forward's launch for one call signature (prepare_diff_forward), as
+    triton_launch.PreparedForward is the single op's: the output, the gain table, then the kept compiled kernel."""
+
+    compiled: object  # triton's CompiledKernel
+    grid: tuple[int, int, int]
+    device: int  # the CUDA device index launched on
+    out_shape: tuple[int, int, int, int]  # (B, Hq, Tq, Dv)
+    gains: torch.Tensor  # gain_table's table at preparation (never freed: an outgrown one is retired)
+    args: tuple  # the scalars and the constexprs after the tensors
+
+    def __call__(self, q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
+                 beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        """diff_triton_forward(q1, q2, k1, k2, v, beta, lam, power, scale) for inputs of the prepared signature."""
+        out = _empty_like_layout(q1, self.out_shape)
+        launch(self.compiled, self.grid, self.device,
+               (q1, q2, k1, k2, v, out, beta, self.gains, lam, beta, *self.args))  # as _forward_launch's
+        return out
+
+
+def prepare_diff_forward(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
+                         beta: torch.Tensor, lam: torch.Tensor, power: float, scale: float) -> PreparedDiffForward | None:
+    """diff_triton_forward(q1, q2, k1, k2, v, beta, lam, power, scale) with the default tiles, prepared for later
+    calls of this signature (the caller keys it, as triton_launch.prepare_forward's). None where the q or k pair's
+    strides differ (the op copies one of them), the launch scales rows (fp16: a row-norm pre-pass), has not run
+    through FastLaunch yet, or is not on the current device: those calls take diff_triton_forward."""
+    if not (_on_current_cuda_device(q1) and _strides_match(q1, q2) and _strides_match(k1, k2)):
+        return None
+    d, dv = q1.shape[3], v.shape[3]
+    if _kernel_meta(default_diff_configs(max(d, dv), q1.dtype).fwd, q1, d, dv, power, True)["ROW_SCALE"]:
+        return None  # its row-norm pre-pass would launch here
+    grid, tensors, scalars, meta, out = _forward_launch(q1, q2, k1, k2, v, beta, lam, power, scale, None)
+    kept = _FWD.kept(tensors, scalars, meta)
+    if kept is None:
+        return None
+    return PreparedDiffForward(kept[0], (*grid, 1), torch.cuda.current_device(), tuple(out.shape), tensors[7],
+                               (*scalars, *kept[1]))
 
 
 def diff_triton_backward(

@@ -1,5 +1,6 @@
 """Call plans (lit_thresh/ops/call_plans.py): eager calls that repeat a signature skip the checks they passed,
-and on CUDA their forward launches the prepared kernel (triton_launch.PreparedForward)."""
+and on CUDA their forward launches the prepared kernel (triton_launch.PreparedForward, and the differential op's
+triton_differential.PreparedDiffForward)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch.autograd.forward_ad as fwAD
 from triton.runtime.jit import JITFunction
 
 from lit_thresh.ops import (
-    api, call_plans, chunked, differential_threshold_attention, fast_launch, threshold_attention, triton_launch,
+    api, call_plans, chunked, chunked_differential, differential_threshold_attention, fast_launch, threshold_attention,
+    triton_differential, triton_launch,
 )
 from lit_thresh.ops.reference import threshold_attention_reference
 from lit_thresh.ops.triton_kernels import threshold_fwd_kernel
@@ -274,11 +276,11 @@ class _Compiled:
 
 
 class _ForwardKernel:
-    """Stands in for threshold_fwd_kernel: `kernel[grid](...)` returns one _Compiled, as a first launch does."""
+    """Stands in for a forward kernel (threshold_fwd_kernel unless given): `kernel[grid](...)` returns one
+    _Compiled, as a first launch does."""
 
-    params = JITFunction(threshold_fwd_kernel.fn).params  # as on a GPU
-
-    def __init__(self):
+    def __init__(self, kernel=threshold_fwd_kernel):
+        self.params = JITFunction(kernel.fn).params  # as on a GPU
         self.compiled = _Compiled()
 
     def __getitem__(self, grid):
@@ -491,3 +493,137 @@ def test_planned_differential_calls_skip_the_checks_and_keep_every_gradient(monk
     assert plan.lam is None and plan.lam_converted
     with pytest.raises(ValueError, match="q2 must have the shape of q1"):  # another signature: checked again
         differential_threshold_attention(leaves[0], leaves[1][:, :1], *leaves[2:], 0.5, lam, 2.0, backend=backend)
+
+
+def _pose_as_cuda(monkeypatch) -> None:
+    """CPU tensors posing as the current CUDA device's for the differential forward's launches (a fake kernel)."""
+    monkeypatch.setattr(fast_launch, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(fast_launch, "current_stream", lambda device: 1000 + device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_differential, "_on_current_cuda_device", lambda q: True)
+    monkeypatch.setattr(triton_differential, "_FWD",
+                        fast_launch.FastLaunch(_ForwardKernel(triton_differential.diff_threshold_fwd_kernel)))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_prepared_differential_forward_launches_what_diff_triton_forward_launches(monkeypatch, layout):
+    """As for the single op: diff_triton_forward's second launch and the prepared forward's launch for new
+    tensors of the same signature pass the same grid, stream and arguments, tensor for tensor."""
+    _pose_as_cuda(monkeypatch)
+    q1, q2, k1, k2, v = _diff_inputs(generator("diff-prepared", layout), dtype=torch.bfloat16)  # GQA
+    if layout == "transposed":  # (B, H, T, D) views of (B, T, H, D) memory
+        q1, q2, k1, k2, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q1, q2, k1, k2, v))
+    beta, lam = torch.tensor([0.5, 1.0]), torch.tensor([0.3, 0.2])
+    inputs = (q1, q2, k1, k2, v, beta, lam)
+    for _ in range(2):
+        out = triton_differential.diff_triton_forward(*inputs, 2.0, 0.5)
+    prepared = triton_differential.prepare_diff_forward(*inputs, 2.0, 0.5)
+    assert prepared is not None
+    new = tuple(t.clone().as_strided(t.shape, t.stride()) for t in inputs)
+    out2 = prepared(*new)
+    assert (out2.shape, out2.stride(), out2.dtype) == (out.shape, out.stride(), out.dtype)
+    (grid, stream, args), (grid2, stream2, args2) = triton_differential._FWD.kernel.compiled.launches
+    assert (grid2, stream2, len(args2)) == (grid, stream, len(args))
+    swap = {id(t): t2 for t, t2 in zip((*inputs, out), (*new, out2))}
+    for a, a2 in zip(args, args2):
+        if isinstance(a, torch.Tensor):
+            assert swap.get(id(a), a) is a2, "each tensor in its place (the gain table the same one)"
+        else:
+            assert (type(a2), a2) == (type(a), a)
+
+
+def test_no_differential_forward_is_prepared_where_it_would_not_be_one_plain_launch(monkeypatch):
+    """Not launched yet, fp16 (a row-norm pre-pass) and a q or k pair whose strides differ (the op copies one)
+    get no prepared forward."""
+    _pose_as_cuda(monkeypatch)
+    q1, q2, k1, k2, v = _diff_inputs(generator("diff-not-prepared"), dtype=torch.bfloat16)
+    beta, lam = torch.ones(2), torch.ones(2)
+    assert triton_differential.prepare_diff_forward(q1, q2, k1, k2, v, beta, lam, 2.0, 1.0) is None  # not launched
+    triton_differential.diff_triton_forward(q1, q2, k1, k2, v, beta, lam, 2.0, 1.0)
+    assert triton_differential.prepare_diff_forward(q1, q2, k1, k2, v, beta, lam, 2.0, 1.0) is not None
+    halves = [t.half() for t in (q1, q2, k1, k2, v)]
+    monkeypatch.setattr(triton_differential, "stacked_row_norms", lambda *t: beta)  # fp16's pre-pass, not run here
+    triton_differential.diff_triton_forward(*halves, beta, lam, 2.0, 1.0)
+    assert triton_differential.prepare_diff_forward(*halves, beta, lam, 2.0, 1.0) is None
+    q2_t = q2.transpose(1, 2).contiguous().transpose(1, 2)  # q1's values in another layout
+    k2_t = k2.transpose(2, 3).contiguous().transpose(2, 3)
+    assert triton_differential.prepare_diff_forward(q1, q2_t, k1, k2, v, beta, lam, 2.0, 1.0) is None
+    assert triton_differential.prepare_diff_forward(q1, q2, k1, k2_t, v, beta, lam, 2.0, 1.0) is None
+
+
+def test_planned_differential_calls_launch_the_prepared_forward_with_or_without_a_gradient(monkeypatch):
+    """A plan's forward (a recording stand-in for a PreparedDiffForward) runs the planned calls' forward, also
+    those that record a gradient, which then flows as from the launcher's path."""
+    gen = generator("diff-prepared-grad")
+    tensors = _diff_inputs(gen)
+    beta, lam = torch.tensor([0.5, 1.0], dtype=torch.float64), torch.tensor([0.3, 0.2], dtype=torch.float64)
+    dout = randn(gen, 1, 2, 24, 8, dtype=torch.float64)
+    for _ in range(2):
+        differential_threshold_attention(*tensors, beta, lam, 2.0, backend="torch")
+    (key,) = call_plans._PLANS
+    calls = []
+
+    def forward(*inputs):
+        calls.append(inputs)
+        return chunked_differential.chunked_differential_forward(*inputs, 2.0, 1.0)
+
+    monkeypatch.setitem(call_plans._PLANS, key, replace(call_plans._PLANS[key], forward=forward))
+    with torch.no_grad():
+        differential_threshold_attention(*tensors, beta, lam, 2.0, backend="torch")
+    assert len(calls) == 1
+    leaves = [t.detach().requires_grad_() for t in (*tensors, beta, lam)]
+    out = differential_threshold_attention(*leaves, 2.0, backend="torch")
+    assert len(calls) == 2 and all(a is b for a, b in zip(calls[-1], leaves))
+    out.backward(dout)
+    group = [t.detach().requires_grad_() for t in leaves]
+    k1r, k2r, vr = (t.repeat_interleave(2, 1) for t in group[2:5])  # GQA: each kv head serves two query heads
+    ref = (threshold_attention_reference(group[0], k1r, vr, group[5], 2.0)
+           - group[6][None, :, None, None] * threshold_attention_reference(group[1], k2r, vr, group[5], 2.0))
+    want = torch.autograd.grad(ref, group, dout)
+    assert rel_err(out, ref) < TOLERANCE[torch.float64]
+    for leaf, w in zip(leaves, want):
+        assert rel_err(leaf.grad, w) < TOLERANCE[torch.float64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "q2 in another layout"])
+def test_planned_differential_calls_give_the_checked_calls_outputs_and_gradients(dtype, layout):
+    """The differential op called 4 times without gradients (checked, checked, then planned: the prepared forward
+    where there is one) and 4 times with: bit-identical outputs and gradients, within the reference's tolerance;
+    bf16 and fp32 get a prepared forward, fp16 (rows scaled) and a q pair in two layouts (copied) do not."""
+    gen = generator("diff-planned-gpu", dtype, layout)
+    q1, q2, k1, k2 = (randn(gen, 2, 4, 130, 64, dtype=dtype, device="cuda") for _ in range(4))
+    k1, k2 = k1[:, :2], k2[:, :2]  # GQA
+    v = randn(gen, 2, 2, 130, 64, dtype=dtype, device="cuda")
+    if layout == "transposed":
+        q1, q2, k1, k2, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q1, q2, k1, k2, v))
+    elif layout != "contiguous":
+        q2 = q2.transpose(1, 2).contiguous().transpose(1, 2)
+    beta = torch.linspace(0.25, 1.0, 4, device="cuda")
+    dout = randn(gen, 2, 4, 130, 64, dtype=dtype, device="cuda")
+    with torch.no_grad():
+        outs = [differential_threshold_attention(q1, q2, k1, k2, v, beta, 0.3, 2.0) for _ in range(4)]
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    plan = call_plans.plan_for(call_plans.differential_signature(q1, q2, k1, k2, v, beta, 0.3, 2.0, 1.0, "auto"))
+    assert plan is not None
+    assert (plan.forward is not None) == (dtype != torch.float16 and layout != "q2 in another layout")
+    got = []
+    for _ in range(4):
+        leaves = [t.detach().requires_grad_() for t in (q1, q2, k1, k2, v, beta)]
+        lam = torch.tensor(0.3, device="cuda", requires_grad=True)
+        out = differential_threshold_attention(*leaves, lam, 2.0)
+        out.backward(dout)
+        assert torch.equal(out, outs[0])
+        got.append([t.grad for t in (*leaves, lam)])
+    for grads in got:
+        assert all(torch.equal(g, g0) for g, g0 in zip(grads, got[0]))
+    group = [t.detach().double().requires_grad_() for t in (q1, q2, k1, k2, v, beta)]
+    lam_ref = torch.tensor(0.3, dtype=torch.float64, device="cuda", requires_grad=True)
+    k1r, k2r, vr = (t.repeat_interleave(2, 1) for t in group[2:5])
+    ref = (threshold_attention_reference(group[0], k1r, vr, group[5], 2.0)
+           - lam_ref * threshold_attention_reference(group[1], k2r, vr, group[5], 2.0))
+    want = torch.autograd.grad(ref, (*group, lam_ref), dout.double())
+    assert rel_err(outs[0], ref) < TOLERANCE[dtype]
+    for g, w in zip(got[0], want):
+        assert rel_err(g, w) < TOLERANCE[dtype]
