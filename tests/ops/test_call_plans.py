@@ -123,14 +123,7 @@ def test_planned_calls_launch_the_prepared_forward_with_or_without_a_gradient(mo
     dout = randn(gen, 1, 2, 24, 16, dtype=torch.float64)
     for _ in range(2):
         threshold_attention(q, k, v, beta, skip_zero=skip_zero, backend="torch")
-    (key,) = call_plans._PLANS
-    calls = []
-
-    def forward(*tensors):
-        calls.append(tensors)
-        return chunked.chunked_forward(*tensors, 2.0, 1.0)
-
-    monkeypatch.setitem(call_plans._PLANS, key, replace(call_plans._PLANS[key], forward=forward))
+    calls = _record_the_plans_forward(monkeypatch, chunked.chunked_forward)
     with torch.no_grad():
         threshold_attention(q, k, v, beta, skip_zero=skip_zero, backend="torch")
     assert len(calls) == 1
@@ -424,6 +417,33 @@ def _diff_inputs(gen, dtype=torch.float64, device="cpu"):
     return q1, q2, k1, k2, randn(gen, 1, 1, 24, 8, dtype=dtype, device=device)
 
 
+def _diff_reference_with_grads(tensors, beta, lam, dout, scale=1.0):
+    """The differential op's float64 reference output (lam not clamped) and the gradients of q1, q2, k1, k2, v,
+    then of beta and lam where they are tensors."""
+    group = [t.detach().double().requires_grad_() for t in tensors]
+    beta, lam = (x.detach().double().requires_grad_() if isinstance(x, torch.Tensor) else x for x in (beta, lam))
+    q1, q2, k1, k2, v = group
+    lam_b = lam.reshape(-1, 1, 1) if isinstance(lam, torch.Tensor) else lam  # (1|Hq, 1, 1)
+    ref = (threshold_attention_reference(q1, k1, v, beta, 2.0, scale)
+           - lam_b * threshold_attention_reference(q2, k2, v, beta, 2.0, scale))
+    wrt = group + [x for x in (beta, lam) if isinstance(x, torch.Tensor)]
+    return ref, torch.autograd.grad(ref, wrt, dout.double())
+
+
+def _record_the_plans_forward(monkeypatch, forward) -> list:
+    """The one kept plan's forward replaced by a stand-in that records its inputs and returns
+    forward(*inputs, 2.0, 1.0); returns the record."""
+    (key,) = call_plans._PLANS
+    calls = []
+
+    def recording(*inputs):
+        calls.append(inputs)
+        return forward(*inputs, 2.0, 1.0)
+
+    monkeypatch.setitem(call_plans._PLANS, key, replace(call_plans._PLANS[key], forward=recording))
+    return calls
+
+
 def test_the_differential_signature_tells_apart_everything_its_checks_read(monkeypatch):
     q1, q2, k1, k2, v = _diff_inputs(generator("diff-signature"), dtype=torch.float32)
     beta, lam = torch.full((2,), 0.5), torch.tensor(0.3)
@@ -477,12 +497,7 @@ def test_planned_differential_calls_skip_the_checks_and_keep_every_gradient(monk
         lam = torch.tensor(0.3, dtype=dtype, requires_grad=True)
         out = differential_threshold_attention(*leaves, 0.5, lam, 2.0, scale=0.7, backend=backend)
         out.backward(dout)
-        group = [t.detach().requires_grad_() for t in leaves]
-        lam_ref = lam.detach().requires_grad_()
-        k1r, k2r, vr = (t.repeat_interleave(2, 1) for t in group[2:])  # GQA: each kv head serves two query heads
-        ref = (threshold_attention_reference(group[0], k1r, vr, 0.5, 2.0, 0.7)
-               - lam_ref * threshold_attention_reference(group[1], k2r, vr, 0.5, 2.0, 0.7))
-        want = torch.autograd.grad(ref, (*group, lam_ref), dout)
+        ref, want = _diff_reference_with_grads(leaves, 0.5, lam, dout, 0.7)
         assert rel_err(out, ref) < TOLERANCE[dtype]
         for got, w in zip((*(t.grad for t in leaves), lam.grad), want):
             assert got.shape == w.shape and rel_err(got, w) < TOLERANCE[dtype]
@@ -560,14 +575,7 @@ def test_planned_differential_calls_launch_the_prepared_forward_with_or_without_
     dout = randn(gen, 1, 2, 24, 8, dtype=torch.float64)
     for _ in range(2):
         differential_threshold_attention(*tensors, beta, lam, 2.0, backend="torch")
-    (key,) = call_plans._PLANS
-    calls = []
-
-    def forward(*inputs):
-        calls.append(inputs)
-        return chunked_differential.chunked_differential_forward(*inputs, 2.0, 1.0)
-
-    monkeypatch.setitem(call_plans._PLANS, key, replace(call_plans._PLANS[key], forward=forward))
+    calls = _record_the_plans_forward(monkeypatch, chunked_differential.chunked_differential_forward)
     with torch.no_grad():
         differential_threshold_attention(*tensors, beta, lam, 2.0, backend="torch")
     assert len(calls) == 1
@@ -575,11 +583,7 @@ def test_planned_differential_calls_launch_the_prepared_forward_with_or_without_
     out = differential_threshold_attention(*leaves, 2.0, backend="torch")
     assert len(calls) == 2 and all(a is b for a, b in zip(calls[-1], leaves))
     out.backward(dout)
-    group = [t.detach().requires_grad_() for t in leaves]
-    k1r, k2r, vr = (t.repeat_interleave(2, 1) for t in group[2:5])  # GQA: each kv head serves two query heads
-    ref = (threshold_attention_reference(group[0], k1r, vr, group[5], 2.0)
-           - group[6][None, :, None, None] * threshold_attention_reference(group[1], k2r, vr, group[5], 2.0))
-    want = torch.autograd.grad(ref, group, dout)
+    ref, want = _diff_reference_with_grads(leaves[:5], *leaves[5:], dout)
     assert rel_err(out, ref) < TOLERANCE[torch.float64]
     for leaf, w in zip(leaves, want):
         assert rel_err(leaf.grad, w) < TOLERANCE[torch.float64]
@@ -618,12 +622,7 @@ def test_planned_differential_calls_give_the_checked_calls_outputs_and_gradients
         got.append([t.grad for t in (*leaves, lam)])
     for grads in got:
         assert all(torch.equal(g, g0) for g, g0 in zip(grads, got[0]))
-    group = [t.detach().double().requires_grad_() for t in (q1, q2, k1, k2, v, beta)]
-    lam_ref = torch.tensor(0.3, dtype=torch.float64, device="cuda", requires_grad=True)
-    k1r, k2r, vr = (t.repeat_interleave(2, 1) for t in group[2:5])
-    ref = (threshold_attention_reference(group[0], k1r, vr, group[5], 2.0)
-           - lam_ref * threshold_attention_reference(group[1], k2r, vr, group[5], 2.0))
-    want = torch.autograd.grad(ref, (*group, lam_ref), dout.double())
+    ref, want = _diff_reference_with_grads((q1, q2, k1, k2, v), beta, torch.tensor(0.3, device="cuda"), dout)
     assert rel_err(outs[0], ref) < TOLERANCE[dtype]
     for g, w in zip(got[0], want):
         assert rel_err(g, w) < TOLERANCE[dtype]
