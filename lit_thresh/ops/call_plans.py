@@ -63,31 +63,22 @@ _CAPTURING = 2  # where the signature's device state says that a CUDA graph is b
 def signature(q: object, k: object, v: object, beta: object, power: object, scale: object, backend: object,
               skip_zero: object) -> tuple | None:
     """The call's signature, or None where calls are not planned (torch.compile tracing, tensor subclasses,
-    functorch transforms such as vmap, a beta neither a tensor nor a float). Its last entry, the device state:
-    for CUDA tensors (True, the current device, whether a CUDA graph is being captured), for others (False,
-    whether TRITON_INTERPRET is on, False); inference mode before it."""
+    functorch transforms such as vmap, a beta neither a tensor nor a float). Its last entry, the device state
+    (_device_state); inference mode before it."""
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor:
         return None
     if type(v) is not torch.Tensor:
         return None
     try:
         alignments = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
-        if type(beta) in _TENSOR_BETAS:
-            beta_key = (beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() & 15)
-        elif type(beta) is float:
-            beta_key = beta
-        else:
-            return None
-    except RuntimeError:  # no storage: a functorch-wrapped tensor (vmap, grad)
+        beta_key = _per_head_key(beta)
+    except (TypeError, RuntimeError):  # a beta neither tensor nor float; functorch-wrapped tensors
         return None
     precision = torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None
-    if q.is_cuda:
-        state = (True, torch.cuda.current_device(), torch.cuda.is_current_stream_capturing())
-    else:  # the 'auto' backend of CPU tensors depends on TRITON_INTERPRET
-        state = (False, triton_interpreting(), False)
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             k.device, v.device, alignments, type(beta), beta_key, type(power), power, type(scale), scale,
-            type(backend), backend, type(skip_zero), skip_zero, precision, torch.is_inference_mode_enabled(), state)
+            type(backend), backend, type(skip_zero), skip_zero, precision, torch.is_inference_mode_enabled(),
+            _device_state(q))
 
 
 def _per_head_key(x: object) -> object:
@@ -98,6 +89,14 @@ def _per_head_key(x: object) -> object:
     if type(x) is float:
         return x
     raise TypeError
+
+
+def _device_state(q: torch.Tensor) -> tuple:
+    """A signature's last entry: for CUDA tensors (True, the current device, whether a CUDA graph is being
+    captured), for others (False, whether TRITON_INTERPRET is on, on which the 'auto' backend depends, False)."""
+    if q.is_cuda:
+        return True, torch.cuda.current_device(), torch.cuda.is_current_stream_capturing()
+    return False, triton_interpreting(), False
 
 
 def differential_signature(q1: object, q2: object, k1: object, k2: object, v: object, beta: object, lam: object,
@@ -116,12 +115,8 @@ def differential_signature(q1: object, q2: object, k1: object, k2: object, v: ob
     except (TypeError, RuntimeError):  # a beta or lam neither tensor nor float; functorch-wrapped tensors
         return None
     precision = torch.get_float32_matmul_precision() if q1.dtype == torch.float32 else None
-    if q1.is_cuda:
-        state = (True, torch.cuda.current_device(), torch.cuda.is_current_stream_capturing())
-    else:
-        state = (False, triton_interpreting(), False)
     return ("differential", layouts, type(beta), beta_key, type(lam), lam_key, type(power), power, type(scale), scale,
-            type(backend), backend, precision, torch.is_inference_mode_enabled(), state)
+            type(backend), backend, precision, torch.is_inference_mode_enabled(), _device_state(q1))
 
 
 def plan_for(key: tuple | None) -> CallPlan | DifferentialPlan | None:
