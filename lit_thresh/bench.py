@@ -543,11 +543,12 @@ SWEEP = {  # (block_m, block_n, num_warps, num_stages) tried per kernel with poi
 }
 
 
-DIFF_SWEEP = {  # the same for the fused differential op's kernels, which read through pointers (no TMA)
+DIFF_SWEEP = {  # the same for the fused differential op's kernels; bwd_dk2 where the default has a second dK/dV launch
     "fwd": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3),
             (64, 32, 4, 3)],
     "bwd_dkv": [(32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 2), (64, 64, 4, 3), (32, 32, 4, 3),
                 (32, 128, 8, 2), (64, 128, 8, 2)],
+    "bwd_dk2": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2)],
     "bwd_dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 3),
                (64, 32, 4, 2)],
 }
@@ -587,14 +588,16 @@ def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callab
 
 
 def _sweep_configs(op: str, kernel: str, d: int, dtype: torch.dtype, t: int) -> list:
-    """The default at length t first, the default with skip_zero, then SWEPT_OPS[op][kernel] (with and without
-    TMA loads for the single op)."""
+    """The default at length t first, the default with skip_zero, then SWEPT_OPS[op][kernel], each with and without
+    TMA loads; none where the default has no such kernel (bwd_dk2 outside bf16 D = 128)."""
     from lit_thresh.ops.triton_differential import default_diff_configs
     from lit_thresh.ops.triton_launch import BlockConfig, default_configs
 
     default = getattr(default_diff_configs(d, dtype) if op else default_configs(d, dtype, t), kernel)
+    if default is None:
+        return []
     cfgs = [default, replace(default, skip_zero=True)]
-    cfgs += [BlockConfig(*c, tma=tma) for c in SWEPT_OPS[op][kernel] for tma in ((False,) if op else (False, True))]
+    cfgs += [BlockConfig(*c, tma=tma) for c in SWEPT_OPS[op][kernel] for tma in (False, True)]
     return list(dict.fromkeys(cfgs))
 
 

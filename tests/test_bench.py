@@ -137,15 +137,15 @@ def test_without_cuda_exits_with_a_clear_error(capsys):
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_dkv", "bwd_dq"])
 def test_sweep_calls_run_the_config_given_for_one_kernel_and_the_defaults_for_the_others(monkeypatch, op, kernel):
     """The sweep of the single ('') and the differential ('diff ') op: each config list starts at the default
-    (then skip_zero on it; TMA variants for the single op only), and each call launches the kernel at the
-    config given, the others at their defaults, computing what the default call computes."""
+    (then skip_zero on it, then the swept tiles with and without TMA loads), and each call launches the kernel at
+    the config given, the others at their defaults, computing what the default call computes."""
     from lit_thresh.ops import triton_differential, triton_launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
     defaults = (triton_differential.default_diff_configs if op else triton_launch.default_configs)(16, torch.float32)
     cfgs = bench._sweep_configs(op, kernel, 16, torch.float32, 24)
     assert cfgs[0] == getattr(defaults, kernel) and cfgs[1] == replace(cfgs[0], skip_zero=True)
-    assert any(c.tma for c in cfgs) == (op == "")
+    assert any(c.tma for c in cfgs) and not all(c.tma for c in cfgs)
     seen = []
     for name in ("triton_forward", "triton_backward", "diff_triton_forward", "diff_triton_backward"):
         module = triton_differential if name.startswith("diff") else triton_launch
@@ -159,11 +159,26 @@ def test_sweep_calls_run_the_config_given_for_one_kernel_and_the_defaults_for_th
     assert len(got) == len(want) and all(torch.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want))
 
 
+def test_sweep_of_the_second_dkv_launch_only_where_the_default_has_one(monkeypatch):
+    """bwd_dk2 (the differential op's dK2 in a second dK/dV launch) is swept where the default configs launch it,
+    starting at its default tile; elsewhere it has no configs."""
+    from lit_thresh.ops import triton_differential
+    from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs
+
+    assert triton_differential.default_diff_configs(16, torch.float32).bwd_dk2 is None
+    assert bench._sweep_configs("diff ", "bwd_dk2", 16, torch.float32, 24) == []
+    tile = BlockConfig(16, 16, 4, 1)
+    monkeypatch.setattr(triton_differential, "default_diff_configs", lambda d, dtype: KernelConfigs(tile, tile, tile, tile))
+    cfgs = bench._sweep_configs("diff ", "bwd_dk2", 16, torch.float32, 24)
+    assert cfgs[0] == tile and len(cfgs) == 2 + 2 * len(bench.DIFF_SWEEP["bwd_dk2"])
+
+
 def test_sweep_rows_are_told_from_the_table_rows():
     def is_sweep(variant: str) -> bool:
         return bench.is_sweep_row(Result(variant, "bfloat16", 64, 1024, 16, 16))
 
     assert is_sweep("fwd 128x64 w8 s3 tma") and is_sweep("bwd_dkv 32x64 w4 s2") and is_sweep("diff bwd_dq 64x32 w4 s3")
+    assert is_sweep("diff bwd_dk2 64x128 w8 s2 tma")
     assert not is_sweep("differential fused p=2") and not is_sweep("threshold p=2") and not is_sweep("sdpa cudnn")
 
 
@@ -196,7 +211,8 @@ def test_sweep_times_every_config_of_both_ops_and_sorts_each_kernel(monkeypatch)
     real_call = bench._sweep_call
 
     def call(op, kernel, cfg, x):
-        if (op, kernel, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)) == ("diff ", "bwd_dq", broken):
+        tile = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+        if (op, kernel, tile, cfg.tma) == ("diff ", "bwd_dq", broken, False):
             raise RuntimeError("out of resources: shared memory")
         return real_call(op, kernel, cfg, x)
 

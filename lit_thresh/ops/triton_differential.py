@@ -37,13 +37,14 @@ from lit_thresh.ops.triton_kernels import (
     _finite_max,
     _fp16_exp,
     _gain,
-    _load_tile,
+    _head_src,
     _log2_grad_bound,
     _log2_weight_bound,
     _mma,
     _rectify,
     _rectify_slope,
     _row_norms,
+    _seq_tile,
     _store_tile,
 )
 from lit_thresh.ops.triton_launch import (
@@ -54,6 +55,7 @@ from lit_thresh.ops.triton_launch import (
     _on_current_cuda_device,
     _power_mode,
     _precision,
+    _sources,
     gain_table,
     stacked_row_norms,
 )
@@ -61,29 +63,30 @@ from lit_thresh.ops.triton_launch import (
 
 @triton.jit
 def _diff_fwd_update(
-    acc, x1, x2, lam, p_mul, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    acc, x1, x2, lam, p_mul, start_n, v_src, b, hk, stride_vt, stride_vd, TK, power,
+    DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
     POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """acc + (ReLU(x1)^p - lambda ReLU(x2)^p) V for one key tile (V is loaded only here, when needed);
     P_SCALED: P's rows are multiplied by p_mul (BLOCK_M,) before the cast."""
-    v = _load_tile(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                   offs_n, TK, offs_dv, DV, CHECK_ROWS, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+    v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CHECK_ROWS, USE_TMA)  # (BLOCK_N, BLOCK_DV)
     p = _rectify(x1, power, POWER_MODE) - lam * _rectify(x2, power, POWER_MODE)  # (BLOCK_M, BLOCK_N)
     return _dot_rows(p, p_mul, v, acc, P_SCALED, False, PRECISION, UPCAST)
 
 
 @triton.jit
 def _key_tiles_and_scores(
-    q1, q2, tau, pos, k1_base, k2_base, offs_n, offs_d, stride_kt, stride_kd, TK, scale,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    q1, q2, tau, pos, k1_src, k2_src, b, hk, start_n, stride_kt, stride_kd, TK, scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """The key tiles k1, k2 (BLOCK_N, BLOCK_D) of keys offs_n and the shifted scores x_m = scale q_m k_m^T - tau
-    (BLOCK_M, BLOCK_N) of both maps, 0 on future keys where CAUSAL_MASK (the diagonal blocks); scale: a
-    scalar or (BLOCK_M, 1) row scales."""
-    k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
-    k1 = _load_tile(k1_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-    k2 = _load_tile(k2_base + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    """The key tiles k1, k2 (BLOCK_N, BLOCK_D) of keys [start_n, start_n + BLOCK_N) of kv head (b, hk) and the
+    shifted scores x_m = scale q_m k_m^T - tau (BLOCK_M, BLOCK_N) of both maps, 0 on future keys where
+    CAUSAL_MASK (the diagonal blocks); scale: a scalar or (BLOCK_M, 1) row scales."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k1 = _seq_tile(k1_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    k2 = _seq_tile(k2_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
     x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
     x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
     if CAUSAL_MASK:
@@ -95,25 +98,23 @@ def _key_tiles_and_scores(
 
 @triton.jit
 def _diff_fwd_inner(
-    acc, q1, q2, tau, lam, p_mul, pos, k1_base, k2_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    acc, q1, q2, tau, lam, p_mul, pos, k1_src, k2_src, v_src, b, hk, stride_kt, stride_kd, stride_vt, stride_vd,
     TK, scale, power, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, P_SCALED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP_ZERO: tl.constexpr,
+    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k1, k2, x1, x2 = _key_tiles_and_scores(q1, q2, tau, pos, k1_base, k2_base, offs_n, offs_d, stride_kt,
-                                               stride_kd, TK, scale, D, BLOCK_D, CAUSAL_MASK, PRECISION, UPCAST)
+        k1, k2, x1, x2 = _key_tiles_and_scores(q1, q2, tau, pos, k1_src, k2_src, b, hk, start_n, stride_kt, stride_kd,
+                                               TK, scale, D, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION, UPCAST, USE_TMA)
         if SKIP_ZERO:
             if _any_live(x1) | _any_live(x2):
-                acc = _diff_fwd_update(acc, x1, x2, lam, p_mul, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
-                                       DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, P_SCALED, PRECISION, UPCAST)
+                acc = _diff_fwd_update(acc, x1, x2, lam, p_mul, start_n, v_src, b, hk, stride_vt, stride_vd, TK, power,
+                                       DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, POWER_MODE, P_SCALED, PRECISION, UPCAST,
+                                       USE_TMA)
         else:
-            acc = _diff_fwd_update(acc, x1, x2, lam, p_mul, offs_n, offs_dv, v_base, stride_vt, stride_vd, TK, power,
-                                   DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, P_SCALED, PRECISION, UPCAST)
+            acc = _diff_fwd_update(acc, x1, x2, lam, p_mul, start_n, v_src, b, hk, stride_vt, stride_vd, TK, power,
+                                   DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, POWER_MODE, P_SCALED, PRECISION, UPCAST, USE_TMA)
     return acc
 
 
@@ -136,10 +137,11 @@ def diff_threshold_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP_ZERO: tl.constexpr = False,
+    SKIP_ZERO: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
-    q1 and q2 share strides, as do k1 and k2 (the launcher makes them so). ROW_SCALE (fp16): P rows
+    q1 and q2 share strides, as do k1 and k2 (the launcher makes them so). USE_TMA: Q1, Q2, K1, K2, V are
+    (B, H, T, D) tensor descriptors (the strides are then unused). ROW_SCALE (fp16): P rows
     scaled into fp16's range by a power of two per row, from the key norms ROW_NORMS (B * H / GROUP, 2, TK)
     fp32, |k1_j| then |k2_j| (unused otherwise). SKIP_ZERO: skip the PV product of key tiles where both
     rectified score tiles are all exactly 0."""
@@ -152,17 +154,18 @@ def diff_threshold_fwd_kernel(
     past = TK - TQ
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_offs = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
-    q1 = _load_tile(Q1 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
-    q2 = _load_tile(Q2 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    q1 = _seq_tile(_head_src(Q1, b, h, stride_qb, stride_qh, USE_TMA), b, h, pid_m * BLOCK_M, stride_qt, stride_qd,
+                   TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    q2 = _seq_tile(_head_src(Q2, b, h, stride_qb, stride_qh, USE_TMA), b, h, pid_m * BLOCK_M, stride_qt, stride_qd,
+                   TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
     pos = offs_m + past  # absolute positions (BLOCK_M,)
     tau = tl.load(BETA + h) * _gain(GAINS, pos)  # (BLOCK_M,)
     lam = tl.load(LAM + h)
 
-    kv_off = b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k1_src = _head_src(K1, b, hk, stride_kb, stride_kh, USE_TMA)
+    k2_src = _head_src(K2, b, hk, stride_kb, stride_kh, USE_TMA)
+    v_src = _head_src(V, b, hk, stride_vb, stride_vh, USE_TMA)
     first_row = past + pid_m * BLOCK_M
     n_full = (first_row + 1) // BLOCK_N * BLOCK_N  # keys [0, n_full) are visible to every row
     n_end = tl.minimum(first_row + BLOCK_M, TK)  # no row sees a key at or past n_end
@@ -184,14 +187,14 @@ def diff_threshold_fwd_kernel(
             x_scale = (scale * row_scale)[:, None]  # (BLOCK_M, 1)
             tau = tau * row_scale
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, p_mul, pos, K1 + kv_off, K2 + kv_off, v_base,
+    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, p_mul, pos, k1_src, k2_src, v_src, b, hk,
                           stride_kt, stride_kd, stride_vt, stride_vd, TK, x_scale, power, 0, n_full,
                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, ROW_SCALE and POWER_MODE == 0,
-                          PRECISION, UPCAST, SKIP_ZERO)
-    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, p_mul, pos, K1 + kv_off, K2 + kv_off, v_base,
+                          PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
+    acc = _diff_fwd_inner(acc, q1, q2, tau, lam, p_mul, pos, k1_src, k2_src, v_src, b, hk,
                           stride_kt, stride_kd, stride_vt, stride_vd, TK, x_scale, power, n_full, n_end,
                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, ROW_SCALE and POWER_MODE == 0,
-                          PRECISION, UPCAST, SKIP_ZERO)
+                          PRECISION, UPCAST, SKIP_ZERO, USE_TMA)
     if ROW_SCALE:
         acc = acc * tl.exp2(e)[:, None]
 
@@ -223,20 +226,16 @@ def _diff_bwd_dkv_update(
 
 @triton.jit
 def _diff_bwd_dkv_inner(
-    dk1, dk2, dv, k1, k2, v, offs_n, q1_base, q2_base, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+    dk1, dk2, dv, k1, k2, v, offs_n, q1_src, q2_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
     beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, PART: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr, PART: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_offs = offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
-        q2 = _load_tile(q2_base + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
-        do = _load_tile(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
-                        offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+        q2 = _seq_tile(q2_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+        do = _seq_tile(do_src, b, h, start_m, stride_dot, stride_dod, TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
         pos = offs_m + past
         tau = beta * _gain(GAINS, pos)  # (BLOCK_M,)
         x2_t = _mma(k2, tl.trans(q2), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
@@ -244,7 +243,7 @@ def _diff_bwd_dkv_inner(
             visible = offs_n[:, None] <= pos[None, :]
             x2_t = tl.where(visible, x2_t, 0.0)
         if PART != 2:
-            q1 = _load_tile(q1_base + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
+            q1 = _seq_tile(q1_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
             x1_t = _mma(k1, tl.trans(q1), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
             if CAUSAL_MASK:
                 x1_t = tl.where(visible, x1_t, 0.0)
@@ -276,11 +275,11 @@ def diff_threshold_bwd_dkv_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr = False, PART: tl.constexpr = 0,
+    UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr = False, PART: tl.constexpr = 0, USE_TMA: tl.constexpr = False,
 ):
     """One program: dK1, dK2, dV of BLOCK_N keys of one (batch, kv head), summed over the GROUP query heads
     that share them (no atomics); with PART 1 dK1 and dV only, with PART 2 dK2 only (bwd_dk2 in the configs).
-    Grid (cdiv(TK, BLOCK_N), B * HKV). ROW_SCALE (fp16, p >= 1): the rows of
+    Grid (cdiv(TK, BLOCK_N), B * HKV). USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors. ROW_SCALE (fp16, p >= 1): the rows of
     P^T, dS1^T and dS2^T scaled into fp16's range by a power of two per key each, from the norms ROW_NORMS
     (B * HKV * GROUP, 3, TQ) fp32, |q1_i|, |q2_i| then |dO_i| (unused otherwise); FP16_RANGE (fp16, p < 1):
     per-tile scaling instead. SKIP_ZERO: skip the work after the score products of query tiles where both
@@ -292,16 +291,17 @@ def diff_threshold_bwd_dkv_kernel(
     hk = (pid_bh % HKV).to(tl.int64)
     past = TK - TQ
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_key = pid_n * BLOCK_N
+    offs_n = first_key + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_offs = b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
-    k1 = _load_tile(K1 + k_offs, offs_n, TK, offs_d, D, True, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-    k2 = _load_tile(K2 + k_offs, offs_n, TK, offs_d, D, True, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-    v = _load_tile(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                   offs_n, TK, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+    k1 = _seq_tile(_head_src(K1, b, hk, stride_kb, stride_kh, USE_TMA), b, hk, first_key, stride_kt, stride_kd, TK, D,
+                   BLOCK_N, BLOCK_D, True, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    k2 = _seq_tile(_head_src(K2, b, hk, stride_kb, stride_kh, USE_TMA), b, hk, first_key, stride_kt, stride_kd, TK, D,
+                   BLOCK_N, BLOCK_D, True, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    v = _seq_tile(_head_src(V, b, hk, stride_vb, stride_vh, USE_TMA), b, hk, first_key, stride_vt, stride_vd, TK, DV,
+                  BLOCK_N, BLOCK_DV, True, USE_TMA)  # (BLOCK_N, BLOCK_DV)
 
-    first_key = pid_n * BLOCK_N
     # query rows m see the block when pos_m >= first_key, all of it when pos_m >= first_key + BLOCK_N - 1
     m_lo = tl.maximum(first_key - past, 0) // BLOCK_M * BLOCK_M
     m_full = tl.minimum(tl.cdiv(tl.maximum(first_key + BLOCK_N - 1 - past, 0), BLOCK_M) * BLOCK_M, TQ)
@@ -343,18 +343,19 @@ def diff_threshold_bwd_dkv_kernel(
         h = hk * GROUP + g
         beta = tl.load(BETA + h)
         lam = tl.load(LAM + h)
-        q_off = b * stride_qb + h * stride_qh
-        do_base = dO + b * stride_dob + h * stride_doh
+        q1_src = _head_src(Q1, b, h, stride_qb, stride_qh, USE_TMA)
+        q2_src = _head_src(Q2, b, h, stride_qb, stride_qh, USE_TMA)
+        do_src = _head_src(dO, b, h, stride_dob, stride_doh, USE_TMA)
         dk1, dk2, dv = _diff_bwd_dkv_inner(
-            dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+            dk1, dk2, dv, k1, k2, v, offs_n, q1_src, q2_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
             beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, m_lo, m_full,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO,
-            PART)
+            PART, USE_TMA)
         dk1, dk2, dv = _diff_bwd_dkv_inner(
-            dk1, dk2, dv, k1, k2, v, offs_n, Q1 + q_off, Q2 + q_off, do_base, stride_qt, stride_qd, stride_dot, stride_dod,
+            dk1, dk2, dv, k1, k2, v, offs_n, q1_src, q2_src, do_src, b, h, stride_qt, stride_qd, stride_dot, stride_dod,
             beta, lam, past, TQ, scale, power, GAINS, p_mul, ds1_mul, ds2_mul, m_full, TQ,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, SKIP_ZERO,
-            PART)
+            PART, USE_TMA)
     if ROW_SCALE:
         dk1 = dk1 * tl.exp2(ds1_exp)[:, None]
         dk2 = dk2 * tl.exp2(ds2_exp)[:, None]
@@ -371,17 +372,16 @@ def diff_threshold_bwd_dkv_kernel(
 
 @triton.jit
 def _diff_bwd_dq_update(
-    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, offs_n, offs_dv, v_base, stride_vt,
+    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, start_n, v_src, b, hk, stride_vt,
     stride_vd, TK, power,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr,
+    UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dQ1, dQ2 accumulators and per-row dbeta / dlambda sums after one (query tile, key tile) pair
     with scores x1, x2 (BLOCK_M, BLOCK_N); V is loaded only here, when needed. With ROW_SCALE, the rows
     of dS1 and dS2 are multiplied by ds1_mul and ds2_mul (BLOCK_M,) before the cast (not in the sums)."""
-    v = _load_tile(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                   offs_n, TK, offs_dv, DV, CHECK_ROWS, DV != BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+    v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CHECK_ROWS, USE_TMA)  # (BLOCK_N, BLOCK_DV)
     dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
     p2 = _rectify(x2, power, POWER_MODE)
     ds1 = dp * _rectify_slope(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)  # dS1 / p
@@ -397,30 +397,27 @@ def _diff_bwd_dq_update(
 
 @triton.jit
 def _diff_bwd_dq_inner(
-    dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_base, k2_base, v_base,
+    dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_src, k2_src, v_src, b, hk,
     stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, lo, hi,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr,
-    SKIP_ZERO: tl.constexpr,
+    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k1, k2, x1, x2 = _key_tiles_and_scores(q1, q2, tau, pos, k1_base, k2_base, offs_n, offs_d, stride_kt,
-                                               stride_kd, TK, scale, D, BLOCK_D, CAUSAL_MASK, PRECISION, UPCAST)
+        k1, k2, x1, x2 = _key_tiles_and_scores(q1, q2, tau, pos, k1_src, k2_src, b, hk, start_n, stride_kt, stride_kd,
+                                               TK, scale, D, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION, UPCAST, USE_TMA)
         if SKIP_ZERO:
             if _any_live(x1) | _any_live(x2):
                 dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
-                    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, offs_n, offs_dv, v_base,
-                    stride_vt, stride_vd, TK, power, DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE, FP16_RANGE,
-                    PRECISION, UPCAST, BETA_GRAD, LAM_GRAD)
+                    dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, start_n, v_src, b, hk,
+                    stride_vt, stride_vd, TK, power, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                    FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA)
         else:
             dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
-                dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, offs_n, offs_dv, v_base,
-                stride_vt, stride_vd, TK, power, DV, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE, FP16_RANGE,
-                PRECISION, UPCAST, BETA_GRAD, LAM_GRAD)
+                dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, start_n, v_src, b, hk,
+                stride_vt, stride_vd, TK, power, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
+                FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA)
     return dq1, dq2, ds_sum, dlam_sum
 
 
@@ -437,10 +434,12 @@ def diff_threshold_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):
     """One program: dQ1, dQ2 of BLOCK_M queries of one (batch, head), and their per-row terms
     -gain_i sum_j (dS1 + dS2)_ij into DBETA_ROWS and -sum_j dP_ij ReLU(x2_ij)^p into DLAM_ROWS
     (both (B * H, TQ) fp32, summed on the host; from unscaled dS1, dS2, dP). Grid (cdiv(TQ, BLOCK_M), B * H).
+    USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors.
     ROW_SCALE (fp16, p >= 1): dS1 and dS2 rows scaled into fp16's range by a power of two per row each,
     from the norms ROW_NORMS (B * H / GROUP, 3, TK) fp32, |k1_j|, |k2_j| then |v_j| (unused otherwise);
     FP16_RANGE (fp16, p < 1): per-tile scaling instead."""
@@ -455,19 +454,22 @@ def diff_threshold_bwd_dq_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_offs = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
-    q1 = _load_tile(Q1 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
-    q2 = _load_tile(Q2 + q_offs, offs_m, TQ, offs_d, D, True, D != BLOCK_D)  # (BLOCK_M, BLOCK_D)
-    do = _load_tile(dO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
-                    offs_m, TQ, offs_dv, DV, True, DV != BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+    start_m = pid_m * BLOCK_M
+    q1 = _seq_tile(_head_src(Q1, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
+                   BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    q2 = _seq_tile(_head_src(Q2, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
+                   BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    do = _seq_tile(_head_src(dO, b, h, stride_dob, stride_doh, USE_TMA), b, h, start_m, stride_dot, stride_dod, TQ,
+                   DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
     pos = offs_m + past
     gain = _gain(GAINS, pos)
     tau = tl.load(BETA + h) * gain  # (BLOCK_M,)
     lam = tl.load(LAM + h)
 
-    kv_off = b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
-    first_row = past + pid_m * BLOCK_M
+    k1_src = _head_src(K1, b, hk, stride_kb, stride_kh, USE_TMA)
+    k2_src = _head_src(K2, b, hk, stride_kb, stride_kh, USE_TMA)
+    v_src = _head_src(V, b, hk, stride_vb, stride_vh, USE_TMA)
+    first_row = past + start_m
     n_full = (first_row + 1) // BLOCK_N * BLOCK_N
     n_end = tl.minimum(first_row + BLOCK_M, TK)
 
@@ -488,15 +490,15 @@ def diff_threshold_bwd_dq_kernel(
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     dlam_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_inner(
-        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, K1 + kv_off, K2 + kv_off, v_base,
+        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_src, k2_src, v_src, b, hk,
         stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, 0, n_full,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST,
-        BETA_GRAD, LAM_GRAD, SKIP_ZERO)
+        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA)
     dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_inner(
-        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, K1 + kv_off, K2 + kv_off, v_base,
+        dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_src, k2_src, v_src, b, hk,
         stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, n_full, n_end,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST,
-        BETA_GRAD, LAM_GRAD, SKIP_ZERO)
+        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA)
     if ROW_SCALE:
         dq1 = dq1 * tl.exp2(ds1_exp)[:, None]
         dq2 = dq2 * tl.exp2(ds2_exp)[:, None]
@@ -605,14 +607,16 @@ def _forward_launch(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: to
                     beta: torch.Tensor, lam: torch.Tensor, power: float, scale: float,
                     configs: KernelConfigs | None) -> tuple:
     """What diff_triton_forward launches, (grid, tensors, scalars, constexprs), and its output, for q and k
-    pairs whose strides match."""
+    pairs whose strides match. With cfg.tma and layouts that allow it, q1, q2, k1, k2, v go as TMA descriptors."""
     (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
     out = _empty_like_layout(q1, (b, hq, tq, dv))
     cfg = (configs or default_diff_configs(max(d, dv), q1.dtype)).fwd
-    meta = _kernel_meta(cfg, q1, d, dv, power, True)
+    bm, bn, bd, bdv = cfg.block_m, cfg.block_n, _block_dim(d), _block_dim(dv)
+    srcs, use_tma = _sources(cfg, (q1, q2, k1, k2, v), (bm, bm, bn, bn, bn), (bd, bd, bd, bd, bdv))
+    meta = _kernel_meta(cfg, q1, d, dv, power, True, USE_TMA=use_tma)
     k_norms = stacked_row_norms(k1, k2) if meta["ROW_SCALE"] else beta  # (B, Hkv, 2, Tk); beta: unused
     grid = (-(-tq // cfg.block_m), b * hq)  # ceil-division in plain ints: no triton.cdiv
-    tensors = (q1, q2, k1, k2, v, out, beta, gain_table(q1.device, d, tk + cfg.block_m), lam, k_norms)
+    tensors = (*srcs, out, beta, gain_table(q1.device, d, tk + cfg.block_m), lam, k_norms)
     scalars = (*q1.stride(), *k1.stride(), *v.stride(), *out.stride(), hq, hq // hkv, tq, tk, scale, power)
     return grid, tensors, scalars, meta, out
 
@@ -629,8 +633,8 @@ def diff_triton_forward(
     scale: float,
     configs: KernelConfigs | None = None,
 ) -> torch.Tensor:
-    """Forward pass; returns (B, Hq, Tq, Dv) in q1's dtype. configs: tiles, warps, stages and skip_zero per
-    kernel (default_diff_configs when None); these kernels read through pointers, so `tma` is not used.
+    """Forward pass; returns (B, Hq, Tq, Dv) in q1's dtype. configs: tiles, warps, stages, skip_zero and TMA
+    loads per kernel (default_diff_configs when None).
     A q (k) pair with different strides is matched here by match_strides (the op does it once, before)."""
     q1, q2 = match_strides(q1, q2)
     k1, k2 = match_strides(k1, k2)
@@ -664,13 +668,15 @@ def prepare_diff_forward(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k
                          beta: torch.Tensor, lam: torch.Tensor, power: float, scale: float) -> PreparedDiffForward | None:
     """diff_triton_forward(q1, q2, k1, k2, v, beta, lam, power, scale) with the default tiles, prepared for later
     calls of this signature (the caller keys it, as triton_launch.prepare_forward's). None where the q or k pair's
-    strides differ (the op copies one of them), the launch scales rows (fp16: a row-norm pre-pass), has not run
-    through FastLaunch yet, or is not on the current device: those calls take diff_triton_forward."""
+    strides differ (the op copies one of them), the launch scales rows (fp16: a row-norm pre-pass) or loads
+    through TMA descriptors (made for each call's tensors), has not run through FastLaunch yet, or is not on the
+    current device: those calls take diff_triton_forward."""
     if not (_on_current_cuda_device(q1) and _strides_match(q1, q2) and _strides_match(k1, k2)):
         return None
     d, dv = q1.shape[3], v.shape[3]
-    if _kernel_meta(default_diff_configs(max(d, dv), q1.dtype).fwd, q1, d, dv, power, True)["ROW_SCALE"]:
-        return None  # its row-norm pre-pass would launch here
+    cfg = default_diff_configs(max(d, dv), q1.dtype).fwd
+    if cfg.tma or _kernel_meta(cfg, q1, d, dv, power, True)["ROW_SCALE"]:
+        return None  # descriptors to make, or a row-norm pre-pass to launch, at every call
     grid, tensors, scalars, meta, out = _forward_launch(q1, q2, k1, k2, v, beta, lam, power, scale, None)
     kept = _FWD.kept(tensors, scalars, meta)
     if kept is None:
@@ -701,6 +707,7 @@ def diff_triton_backward(
     k1, k2 = match_strides(k1, k2)
     cfgs = configs or default_diff_configs(max(d, dv), q1.dtype)
     scalars = (tq, tk, scale, power)
+    bd, bdv = _block_dim(d), _block_dim(dv)
     parts = ((cfgs.bwd_dkv, 0),) if cfgs.bwd_dk2 is None else ((cfgs.bwd_dkv, 1), (cfgs.bwd_dk2, 2))
     block_m = max(cfgs.bwd_dq.block_m, *(cfg.block_m for cfg, _ in parts))
     gains = gain_table(q1.device, d, tk + block_m)  # (>= Tk + BLOCK_M,)
@@ -713,22 +720,27 @@ def diff_triton_backward(
         kv_norms = stacked_row_norms(k1, k2, v)  # (B, Hkv, 3, Tk)
     else:
         qdo_norms = kv_norms = beta
+    inputs, cols = (q1, q2, k1, k2, v, dout), (bd, bd, bd, bd, bdv, bdv)
     for cfg, part in parts:  # all three gradients in one launch, or dK1 and dV, then dK2
+        bm, bn = cfg.block_m, cfg.block_n
+        srcs, use_tma = _sources(cfg, inputs, (bm, bm, bn, bn, bn, bm), cols)
         _BWD_DKV(
-            (-(-tk // cfg.block_n), b * hkv), (q1, q2, k1, k2, v, dout, dk1, dk2, dval, beta, gains, lam, qdo_norms),
+            (-(-tk // bn), b * hkv), (*srcs, dk1, dk2, dval, beta, gains, lam, qdo_norms),
             (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dk1.stride(), *dval.stride(), hkv, hq // hkv,
              *scalars),
-            _kernel_meta(cfg, q1, d, dv, power, False), PART=part,
+            _kernel_meta(cfg, q1, d, dv, power, False, USE_TMA=use_tma), PART=part,
         )
 
     cfg = cfgs.bwd_dq
     dbeta_rows, dlam_rows = (  # (B, Hq, Tq) each; dq1: a placeholder the kernel does not touch
         torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need else dq1 for need in (need_dbeta, need_dlam)
     )
+    bm, bn = cfg.block_m, cfg.block_n
+    srcs, use_tma = _sources(cfg, inputs, (bm, bm, bn, bn, bn, bm), cols)
     _BWD_DQ(
-        (-(-tq // cfg.block_m), b * hq), (q1, q2, k1, k2, v, dout, dq1, dq2, dbeta_rows, dlam_rows, beta, gains, lam, kv_norms),
+        (-(-tq // bm), b * hq), (*srcs, dq1, dq2, dbeta_rows, dlam_rows, beta, gains, lam, kv_norms),
         (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(), hq, hq // hkv, *scalars),
-        _kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam),
+        _kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam, USE_TMA=use_tma),
     )
     dbeta = dbeta_rows.sum(dim=(0, 2)).to(beta.dtype) if need_dbeta else None  # (Hq,)
     dlam = dlam_rows.sum(dim=(0, 2)).to(lam.dtype) if need_dlam else None  # (Hq,)

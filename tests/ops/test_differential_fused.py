@@ -8,6 +8,7 @@ the `gpu`-marked cases run realistic sizes on CUDA (`pytest -m gpu`).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import textwrap
 
 import pytest
@@ -299,6 +300,56 @@ def test_dk2_in_a_second_launch_matches_one_launch_and_the_reference(device, dty
         assert rel_err(split[i], ref_grads[i]) < grad_tol + floor, name
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype,power", [(torch.float32, 2.0), (torch.float16, 2.0), (torch.bfloat16, 1.5)], ids=str)
+def test_tma_loads_match_pointer_loads_and_the_reference(device, dtype, power, monkeypatch):
+    """BlockConfig.tma: every kernel (forward, dK/dV in two launches, dQ) reads q1, q2, k1, k2, v and dO through
+    TMA descriptors; the output and every gradient match the float64 reference, and on CPU equal the pointer
+    loads' bit for bit. GQA, odd lengths, Tq < Tk, Dv != D, head dims below their blocks (zero-filled columns);
+    fp16 with row scales. A layout TMA cannot read (rows 40 bytes apart) loads through pointers."""
+    sources, used = td._sources, []
+
+    def spy(*args, **kwargs):
+        srcs, use_tma = sources(*args, **kwargs)
+        used.append(use_tma)
+        return srcs, use_tma
+
+    monkeypatch.setattr(td, "_sources", spy)
+    gen = generator("diff_tma", device, dtype, power)
+    b, hq, hkv, tq, tk, d, dv = 1, 4, 2, 29, 45, 24, 40
+    (q1, q2, k1, k2, v), beta, lam = make_inputs(gen, device, dtype, b, hq, hkv, tq, tk, d, dv, "per_head", "per_head")
+    q1, q2, k1, k2, v, beta, lam = (t.detach() for t in (q1, q2, k1, k2, v, beta, lam))
+    dout = randn(gen, b, hq, tq, dv, dtype=dtype, device=device)
+
+    def run(tma: bool, *inputs):
+        tile = BlockConfig(16, 16, tma=tma)
+        cfgs = KernelConfigs(tile, tile, replace(tile, block_m=32), tile)  # dK2 in a second launch
+        out = diff_triton_forward(*inputs, beta, lam, power, 0.7, cfgs)
+        return [out, *diff_triton_backward(*inputs, beta, lam, power, 0.7, dout, True, True, cfgs)]
+
+    inputs = (q1, q2, k1, k2, v)
+    pointers = run(False, *inputs)
+    assert not any(used)
+    tma = run(True, *inputs)
+    assert len(used) == 8 and all(used[4:]), "forward, two dK/dV launches and dQ must load through descriptors"
+    wrt = [t.double().requires_grad_() for t in (*inputs, beta, lam)]
+    ref = differential_reference(*wrt, power, 0.7)
+    refs = [ref, *torch.autograd.grad(ref, wrt, dout.double())]
+    for name, got, exact in zip(("out",) + GRADS, tma, refs):
+        floor = rel_err(exact.to(got.dtype), exact)
+        assert rel_err(got, exact) < TOLERANCE[dtype] + floor, name
+    if device == "cpu":
+        for a, c in zip(pointers, tma):
+            assert torch.equal(a, c)
+
+    if dtype != torch.float32:  # rows 40 bytes apart (fp32's, 80, are 16-byte aligned): the pointer loads themselves
+        used.clear()
+        narrow = [x[..., :20].contiguous() for x in inputs]
+        fallback = run(True, *narrow)
+        assert not any(used), "rows not 16 bytes apart: pointers"
+        assert all(torch.equal(a, c) for a, c in zip(fallback, run(False, *narrow)))
+
+
 def test_equals_two_single_op_calls():
     """The fused op computes what two threshold_attention calls and a per-head lambda do (float64, torch)."""
     gen = generator("diff_two_calls")
@@ -462,6 +513,7 @@ def test_kernels_compile_for_hopper(tmp_path):
             if which.startswith("bwd_dk"):
                 split = td.default_diff_configs(max(d, dv), torch_dtype).bwd_dk2 is not None
                 flags = (("PART", parts.get(which, 1) if split else 0),)
+            flags += (("USE_TMA", False),)  # pointer loads: the descriptors' types are not built here
             meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
                             torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)
             compiled = compile_for_sm90(getattr(td, name), meta, dtype, num_warps=cfg.num_warps,
