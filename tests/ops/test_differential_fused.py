@@ -482,6 +482,39 @@ def test_default_configs_follow_the_interpreter_flag(monkeypatch):
     assert td.default_diff_configs(128, torch.bfloat16) == KernelConfigs(*[BlockConfig(32, 32)] * 3)
 
 
+def test_default_tiles_load_through_tma_only_in_calls_of_enough_work(monkeypatch):
+    """The default tiles' TMA loads (v25) follow the single op's rule: calls of less work than
+    triton_launch.TMA_MIN_WORK load through pointers, larger ones through descriptors; tma=False drops them from
+    every kernel, the tiles kept."""
+    from lit_thresh.ops import triton_launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gpu = td.default_diff_configs(64, torch.float16)
+    assert gpu.fwd.tma and gpu.bwd_dkv.tma and gpu.bwd_dq.tma  # the tiles v25 gave TMA loads
+    pointers = td.default_diff_configs(64, torch.float16, tma=False)
+    assert pointers is td.default_diff_configs(64, torch.float16, tma=False)  # cached
+    assert pointers == KernelConfigs(*(replace(c, tma=False) for c in (gpu.fwd, gpu.bwd_dkv, gpu.bwd_dq)))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tile = BlockConfig(16, 16, tma=True)
+    monkeypatch.setattr(td, "_default_diff_configs", lambda *args: KernelConfigs(tile, tile, tile, tile))
+    sources, used = td._sources, []
+
+    def spy(cfg, *args):
+        used.append(cfg.tma)
+        return sources(cfg, *args)
+
+    monkeypatch.setattr(td, "_sources", spy)
+    gen = generator("diff_tma_rule")
+    x = [randn(gen, 1, 2, 20, 16, dtype=torch.float16) for _ in range(6)]
+    beta, lam = torch.tensor([0.5, 1.0]), torch.tensor([0.3, 0.6])
+    for min_work, tma in ((triton_launch.TMA_MIN_WORK, False), (0, True)):
+        monkeypatch.setattr(triton_launch, "TMA_MIN_WORK", min_work)
+        used.clear()
+        diff_triton_forward(*x[:5], beta, lam, 2.0, 1.0)
+        diff_triton_backward(*x[:5], beta, lam, 2.0, 1.0, x[5], True, True)
+        assert used == [tma] * 4  # the forward, two dK/dV launches, dQ
+
+
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects: compile each kernel for sm_90 down to a cubin, in a
     process without TRITON_INTERPRET (no GPU needed), with its default tiles at head dims where they are

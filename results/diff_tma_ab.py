@@ -1,0 +1,102 @@
+"""The fused differential op at its v25 default tiles (TMA loads where the sweep found them >= 3% faster) against
+the previous defaults: two versions of the package in one process (the recipe of results/host_call_plans.py,
+main = the commit before, new = the working tree), called as users call them: `differential_threshold_attention`
+with beta and lambda (H,) learnable, p = 2, H = 16, B * T = 16384, bf16 and fp16, D = 64 and 128, T = 1024, 4096
+and 16384. Outputs and gradients of new against main (relative error norm; other tiles, so not bit for bit), then
+the forward and forward+backward times, with two single calls (new's) for scale. Medians [min - max] of 5 rounds
+of `triton.testing.do_bench`, the versions interleaved, their order reversed every other round, ms:
+
+    PYTHONPATH=$PWD/.ab:$PYTHONPATH python results/diff_tma_ab.py main,new
+"""
+
+import concurrent.futures
+import importlib
+import multiprocessing
+import statistics
+import sys
+
+import torch
+import triton
+
+TOKENS, H, ROUNDS = 16384, 16, 5
+POINTS = [(dtype, d, t) for dtype in ("bfloat16", "float16") for d in (64, 128) for t in (1024, 4096, 16384)]
+
+
+def inputs(dtype: torch.dtype, d: int, t: int, b: int):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q1, q2, k1, k2, v, dout = (0.5 * torch.randn(b, H, t, d, device="cuda", dtype=dtype, generator=gen)
+                               for _ in range(6))  # (B, H, T, D)
+    beta = torch.linspace(0.5, 1.5, H, device="cuda")
+    lam = torch.linspace(0.2, 0.6, H, device="cuda")
+    return (q1, q2, k1, k2, v, beta, lam), dout
+
+
+def calls(ops, x, dout, d: int) -> dict:
+    """The op's forward, its forward+backward (every gradient), and two single calls' forward+backward."""
+    def leaves():
+        return [t.detach().requires_grad_() for t in x]
+
+    def fwd_bwd():
+        ins = leaves()
+        ops.differential_threshold_attention(*ins, 2.0, scale=d**-0.5).backward(dout)
+        return ins
+
+    def two_calls():
+        q1, q2, k1, k2, v, beta, lam = leaves()
+        a1 = ops.threshold_attention(q1, k1, v, beta, 2.0, scale=d**-0.5)
+        (a1 - lam[:, None, None] * ops.threshold_attention(q2, k2, v, beta, 2.0, scale=d**-0.5)).backward(dout)
+
+    return {"forward": lambda: ops.differential_threshold_attention(*x, 2.0, scale=d**-0.5),
+            "forward+backward": fwd_bwd, "two single calls, forward+backward": two_calls}
+
+
+def warm(task) -> None:
+    """Worker: compile one version's kernels at one grid point (B = 1, the same T: the same specialisation)."""
+    name, dtype_name, d, t = task
+    ops = importlib.import_module(f"lit_thresh_{name}.ops")
+    x, dout = inputs(getattr(torch, dtype_name), d, t, 1)
+    for fn in calls(ops, x, dout, d).values():
+        fn()
+    torch.cuda.synchronize()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def spread(ts: list[float]) -> str:
+    return f"{statistics.median(ts):7.3f} [{min(ts):.3f} - {max(ts):.3f}]"
+
+
+def main(names: list[str]) -> None:
+    versions = {name: importlib.import_module(f"lit_thresh_{name}.ops") for name in names}
+    tasks = [(name, *point) for name in names for point in POINTS]
+    with concurrent.futures.ProcessPoolExecutor(16, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(warm, tasks))
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: compiled {len(tasks)} points", flush=True)
+    base, new = names
+    for dtype_name, d, t in POINTS:
+        x, dout = inputs(getattr(torch, dtype_name), d, t, TOKENS // t)
+        runs = {name: calls(ops, x, dout, d) for name, ops in versions.items()}
+        got = {name: [run["forward"](), *[g.grad for g in run["forward+backward"]()]] for name, run in runs.items()}
+        worst = max(rel(a, b) for a, b in zip(got[new], got[base]))
+        print(f"\n{dtype_name} D={d} T={t}: {new} against {base}, largest relative error norm of the output and the "
+              f"7 gradients {worst:.1e}", flush=True)
+        timed = {(name, case): fn for name, run in runs.items() for case, fn in run.items()
+                 if name == new or not case.startswith("two")}
+        times = {key: [] for key in timed}
+        for r in range(ROUNDS):
+            for key in (list(timed) if r % 2 == 0 else list(timed)[::-1]):
+                times[key].append(triton.testing.do_bench(timed[key], warmup=25, rep=100))
+        for case in ("forward", "forward+backward"):
+            ratio = statistics.median(times[(base, case)]) / statistics.median(times[(new, case)])
+            print(f"  {case:18s} {base} {spread(times[(base, case)])}  {new} {spread(times[(new, case)])}  "
+                  f"{base} / {new} {ratio:.3f}")
+        two = times[(new, "two single calls, forward+backward")]
+        print(f"  two single calls, forward+backward {spread(two)}: / fused {base} "
+              f"{statistics.median(two) / statistics.median(times[(base, 'forward+backward')]):.3f}, / fused {new} "
+              f"{statistics.median(two) / statistics.median(times[(new, 'forward+backward')]):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["main", "new"])
