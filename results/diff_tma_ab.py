@@ -1,10 +1,11 @@
 """The fused differential op at its v25 default tiles (TMA loads where the sweep found them >= 3% faster) against
 the previous defaults: two versions of the package in one process (the recipe of results/host_call_plans.py,
 main = the commit before, new = the working tree), called as users call them: `differential_threshold_attention`
-with beta and lambda (H,) learnable, p = 2, H = 16, B * T = 16384: bf16 and fp16 D = 64 and fp16 D = 128 at T = 1024,
-4096 and 16384, and bf16 D = 128 (no tile changed) at T = 16384 as a control. Outputs and gradients of new against main (relative error norm; other tiles, so not bit for bit), then
-the forward and forward+backward times, with two single calls (new's) for scale. Medians [min - max] of 5 rounds
-of `triton.testing.do_bench`, the versions interleaved, their order reversed every other round, ms:
+with beta and lambda (H,) learnable, p = 2, H = 16, B * T = 16384: bf16 and fp16 D = 64 and fp16 D = 128 at
+T = 1024, 4096 and 16384, and bf16 D = 128 (no tile changed) at T = 16384 as a control. Outputs and gradients of
+new against main (relative error norm; other tiles, so not bit for bit), then the forward and forward+backward
+times, with two single calls (new's) for scale. Medians [min - max] of 5 rounds of `triton.testing.do_bench`, the
+versions interleaved, their order reversed every other round, ms:
 
     PYTHONPATH=$PWD/.ab:$PYTHONPATH python results/diff_tma_ab.py main,new
 """
