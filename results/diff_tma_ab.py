@@ -1,8 +1,8 @@
-"""The fused differential op at its v25 default tiles (TMA loads where the sweep found them >= 3% faster) against
-the previous defaults: two versions of the package in one process (the recipe of results/host_call_plans.py,
+"""The fused differential op at its v25 default tiles (for large calls, TMA loads where the sweep found them >= 3%
+faster) against the previous defaults: two versions of the package in one process (the recipe of results/host_call_plans.py,
 main = the commit before, new = the working tree), called as users call them: `differential_threshold_attention`
 with beta and lambda (H,) learnable, p = 2, H = 16, B * T = 16384: bf16 and fp16 D = 64 and fp16 D = 128 at
-T = 1024, 4096 and 16384, and bf16 D = 128 (no tile changed) at T = 16384 as a control. Outputs and gradients of
+T = 1024, 2048, 4096 and 16384, and bf16 D = 128 (no tile changed) at T = 16384 as a control. Outputs and gradients of
 new against main (relative error norm; other tiles, so not bit for bit), then the forward and forward+backward
 times, with two single calls (new's) for scale. Medians [min - max] of 5 rounds of `triton.testing.do_bench`, the
 versions interleaved, their order reversed every other round, ms:
@@ -20,8 +20,9 @@ import torch
 import triton
 
 TOKENS, H, ROUNDS = 16384, 16, 5
-POINTS = [(dtype, 64, t) for dtype in ("bfloat16", "float16") for t in (1024, 4096, 16384)]
-POINTS += [("float16", 128, t) for t in (1024, 4096, 16384)] + [("bfloat16", 128, 16384)]  # the last: no tile changed
+SEQ_LENS = (1024, 2048, 4096, 16384)
+POINTS = [(dtype, 64, t) for dtype in ("bfloat16", "float16") for t in SEQ_LENS]
+POINTS += [("float16", 128, t) for t in SEQ_LENS] + [("bfloat16", 128, 16384)]  # the last: no tile changed
 
 
 def inputs(dtype: torch.dtype, d: int, t: int, b: int):

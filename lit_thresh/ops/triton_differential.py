@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
+from lit_thresh.ops import triton_launch
 from lit_thresh.ops.backend import triton_interpreting
 from lit_thresh.ops.fast_launch import FastLaunch, launch
 from lit_thresh.ops.triton_kernels import (
@@ -38,6 +39,7 @@ from lit_thresh.ops.triton_kernels import (
     _fp16_exp,
     _gain,
     _head_src,
+    _load_tile,
     _log2_grad_bound,
     _log2_weight_bound,
     _mma,
@@ -56,7 +58,6 @@ from lit_thresh.ops.triton_launch import (
     _power_mode,
     _precision,
     _sources,
-    default_tma,
     gain_table,
     stacked_row_norms,
 )
@@ -86,8 +87,14 @@ def _key_tiles_and_scores(
     shifted scores x_m = scale q_m k_m^T - tau (BLOCK_M, BLOCK_N) of both maps, 0 on future keys where
     CAUSAL_MASK (the diagonal blocks); scale: a scalar or (BLOCK_M, 1) row scales."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k1 = _seq_tile(k1_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
-    k2 = _seq_tile(k2_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, USE_TMA)  # (BLOCK_N, BLOCK_D)
+    if USE_TMA:
+        k1 = _seq_tile(k1_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
+        k2 = _seq_tile(k2_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
+    else:  # one offset tile for both pointers (_seq_tile's would be built twice: 2 more instructions per tile)
+        offs_d = tl.arange(0, BLOCK_D)
+        k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
+        k1 = _load_tile(k1_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        k2 = _load_tile(k2_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
     x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
     x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
     if CAUSAL_MASK:
@@ -518,28 +525,28 @@ _FWD, _BWD_DKV, _BWD_DQ = map(FastLaunch, (diff_threshold_fwd_kernel, diff_thres
                                              diff_threshold_bwd_dq_kernel))
 
 
-def default_diff_configs(head_dim: int, dtype: torch.dtype, tma: bool = True) -> KernelConfigs:
+def default_diff_configs(head_dim: int, dtype: torch.dtype, large: bool = True) -> KernelConfigs:
     """Tiles per kernel for the larger of the q/k and v head dims (cached). fp16/bf16 up to D = 128: the
     fastest config per kernel of an H200 sweep at T = 4096 (recorded in
     lit_thresh/ops/PERF.md, v3; each kernel timed with the others at the previous default; the combination,
     timed afterwards, is 1.03-1.32x faster than two single calls forward+backward, but 0.63-0.81x at fp16
     D = 128, whose backward then kept the per-tile fp16 rescaling); fp16 re-swept with the row scales
-    (PERF.md v7: three kernels changed); TMA loads where an H100 sweep at T = 4096 and 16384 found them >= 3%
-    faster (PERF.md v25). fp32 and D > 128: small-tile starting points, not tuned. Small tiles under the
-    interpreter. tma false: every kernel loads through pointers (the launchers' choice for calls of less work
-    than triton_launch.TMA_MIN_WORK, as the single op's)."""
-    configs = _default_diff_configs(head_dim, dtype, triton_interpreting())
-    return configs if tma else _without_tma(configs)
+    (PERF.md v7: three kernels changed); for large calls (large_call), tiles with TMA loads where an H100 sweep
+    at T = 4096 and 16384 found them >= 3% faster (PERF.md v25; at T = 1024 they took 1-4% longer). fp32 and
+    D > 128: small-tile starting points, not tuned. Small tiles under the interpreter."""
+    return _default_diff_configs(head_dim, dtype, triton_interpreting(), large)
+
+
+def large_call(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call gets default_diff_configs' large-call tiles: B * Hq * Tq * Tk * max(D, Dv) at least twice the
+    single op's triton_launch.TMA_MIN_WORK (two maps); at H = 16 and B * T = 16384, D = 64 from T = 4096 and
+    D = 128 from T = 2048."""
+    work = q1.shape[0] * q1.shape[1] * q1.shape[2] * k1.shape[2] * max(q1.shape[3], v.shape[3])
+    return work >= 2 * triton_launch.TMA_MIN_WORK
 
 
 @functools.lru_cache(maxsize=64)
-def _without_tma(configs: KernelConfigs) -> KernelConfigs:
-    return KernelConfigs(*(None if cfg is None else replace(cfg, tma=False)
-                           for cfg in (configs.fwd, configs.bwd_dkv, configs.bwd_dq, configs.bwd_dk2)))
-
-
-@functools.lru_cache(maxsize=64)
-def _default_diff_configs(head_dim: int, dtype: torch.dtype, interpreting: bool) -> KernelConfigs:
+def _default_diff_configs(head_dim: int, dtype: torch.dtype, interpreting: bool, large: bool) -> KernelConfigs:
     if interpreting:
         return KernelConfigs(BlockConfig(32, 32), BlockConfig(32, 32), BlockConfig(32, 32))
     if dtype == torch.float32 and head_dim > 64:
@@ -547,25 +554,28 @@ def _default_diff_configs(head_dim: int, dtype: torch.dtype, interpreting: bool)
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfigs(BlockConfig(64, 32, 4, 2), BlockConfig(32, 64, 4, 2), BlockConfig(64, 32, 4, 2))
     fp16 = dtype == torch.float16
+    fp16_large = fp16 and large
     if head_dim > 64:  # the H200 sweep at T = 4096 (ms of the forward / of the whole backward, each kernel
-        # timed with the others at the previous default; lit_thresh/ops/PERF.md, v3); TMA from v25's H100 sweep
-        # (ms of the whole backward at T = 4096 / 16384, the previous tile's in brackets)
+        # timed with the others at the previous default; lit_thresh/ops/PERF.md, v3); large calls from v25's H100
+        # sweep (ms of the whole backward at T = 4096 / 16384, the other tile's in brackets)
         return KernelConfigs(
             BlockConfig(128, 64, 8, 3),  # bf16 0.883, fp16 1.110 (64x64 w8 s3: 1.711, 2.043)
             BlockConfig(32, 64, 4, 2),  # bf16 4.41; fp16 5.45 in v7's sweep (64x64 w8 s2: 6.26)
-            # fp16 4.679 / 15.934 (64x32 w4 s2: 4.809 / 17.359); bf16 6.01
-            BlockConfig(128, 64, 8, 2, tma=True) if fp16 else BlockConfig(128, 32, 8, 3),
+            BlockConfig(128, 64, 8, 2, tma=True) if fp16_large  # 4.679 / 15.934 (64x32 w4 s2: 4.809 / 17.359)
+            else BlockConfig(64, 32, 4, 2) if fp16 else BlockConfig(128, 32, 8, 3),  # fp16 8.71, bf16 6.01
             # dK2 in a second launch (PERF.md v20, one H100): bf16 forward+backward 0.963-0.969x the time of one
             # dK/dV launch; fp16 0.986-0.989x, under the 3% rule, so one launch
             None if fp16 else BlockConfig(64, 128, 8, 2),
         )
-    return KernelConfigs(  # v25 (ms at T = 4096 / 16384, the previous tile's in brackets; the forward's alone):
-        # fp16 0.532 / 1.804 (64x32 w4 s3: 0.555 / 1.958); bf16 0.484 (v3)
-        BlockConfig(128, 64, 4, 3, tma=True) if fp16 else BlockConfig(128, 64, 8, 3),
-        # fp16 1.965 / 6.912 (2.016 / 7.537); bf16 1.783 / 6.404 (32x64 w4 s3: 1.840 / 6.749)
-        BlockConfig(64, 64, 4, 3, tma=True),
-        # fp16 1.954 / 7.032 (1.997 / 7.291); bf16 1.771 / 6.060 (64x32 w4 s3: 1.822 / 6.663)
-        BlockConfig(64, 64, 4, 3, tma=True),
+    # v3 and v7 (ms at T = 4096); large calls from v25 (ms at T = 4096 / 16384, the other tile's in brackets;
+    # the forward's alone, the whole backward's)
+    return KernelConfigs(
+        BlockConfig(128, 64, 4, 3, tma=True) if fp16_large  # 0.532 / 1.804 (64x32 w4 s3: 0.555 / 1.958)
+        else BlockConfig(64, 32, 4, 3) if fp16 else BlockConfig(128, 64, 8, 3),  # bf16 0.484; fp16 0.668 in v7
+        BlockConfig(64, 64, 4, 3, tma=True) if large  # fp16 1.965 / 6.912 (2.016 / 7.537); bf16 1.783 / 6.404
+        else BlockConfig(64, 64, 4, 3) if fp16 else BlockConfig(32, 64, 4, 3),  # (32x64 w4 s3: 1.840 / 6.749)
+        BlockConfig(64, 64, 4, 3, tma=True) if large  # fp16 1.954 / 7.032 (1.997 / 7.291); bf16 1.771 / 6.060
+        else BlockConfig(64, 64, 4, 3) if fp16 else BlockConfig(64, 32, 4, 3),  # (64x32 w4 s3: 1.822 / 6.663)
     )
 
 
@@ -625,7 +635,7 @@ def _forward_launch(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: to
     pairs whose strides match. With cfg.tma and layouts that allow it, q1, q2, k1, k2, v go as TMA descriptors."""
     (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
     out = _empty_like_layout(q1, (b, hq, tq, dv))
-    cfg = (configs or default_diff_configs(max(d, dv), q1.dtype, default_tma(q1, k1, v))).fwd
+    cfg = (configs or default_diff_configs(max(d, dv), q1.dtype, large_call(q1, k1, v))).fwd
     bm, bn, bd, bdv = cfg.block_m, cfg.block_n, _block_dim(d), _block_dim(dv)
     srcs, use_tma = _sources(cfg, (q1, q2, k1, k2, v), (bm, bm, bn, bn, bn), (bd, bd, bd, bd, bdv))
     meta = _kernel_meta(cfg, q1, d, dv, power, True, USE_TMA=use_tma)
@@ -689,7 +699,7 @@ def prepare_diff_forward(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k
     if not (_on_current_cuda_device(q1) and _strides_match(q1, q2) and _strides_match(k1, k2)):
         return None
     d, dv = q1.shape[3], v.shape[3]
-    cfg = default_diff_configs(max(d, dv), q1.dtype, default_tma(q1, k1, v)).fwd
+    cfg = default_diff_configs(max(d, dv), q1.dtype, large_call(q1, k1, v)).fwd
     if cfg.tma or _kernel_meta(cfg, q1, d, dv, power, True)["ROW_SCALE"]:
         return None  # descriptors to make, or a row-norm pre-pass to launch, at every call
     grid, tensors, scalars, meta, out = _forward_launch(q1, q2, k1, k2, v, beta, lam, power, scale, None)
@@ -720,7 +730,7 @@ def diff_triton_backward(
     (b, hq, tq, d), (hkv, tk), dv = q1.shape, k1.shape[1:3], v.shape[-1]
     q1, q2 = match_strides(q1, q2)
     k1, k2 = match_strides(k1, k2)
-    cfgs = configs or default_diff_configs(max(d, dv), q1.dtype, default_tma(q1, k1, v))
+    cfgs = configs or default_diff_configs(max(d, dv), q1.dtype, large_call(q1, k1, v))
     scalars = (tq, tk, scale, power)
     bd, bdv = _block_dim(d), _block_dim(dv)
     parts = ((cfgs.bwd_dkv, 0),) if cfgs.bwd_dk2 is None else ((cfgs.bwd_dkv, 1), (cfgs.bwd_dk2, 2))

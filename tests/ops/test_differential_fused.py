@@ -482,21 +482,24 @@ def test_default_configs_follow_the_interpreter_flag(monkeypatch):
     assert td.default_diff_configs(128, torch.bfloat16) == KernelConfigs(*[BlockConfig(32, 32)] * 3)
 
 
-def test_default_tiles_load_through_tma_only_in_calls_of_enough_work(monkeypatch):
-    """The default tiles' TMA loads (v25) follow the single op's rule: calls of less work than
-    triton_launch.TMA_MIN_WORK load through pointers, larger ones through descriptors; tma=False drops them from
-    every kernel, the tiles kept."""
+def test_large_calls_get_the_tma_tiles_and_smaller_ones_the_pointer_tiles(monkeypatch):
+    """default_diff_configs' large-call tiles (v25; some with TMA loads) go to calls of at least twice the single
+    op's TMA_MIN_WORK (large_call); smaller calls keep the previous tiles, all through pointers."""
     from lit_thresh.ops import triton_launch
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    gpu = td.default_diff_configs(64, torch.float16)
-    assert gpu.fwd.tma and gpu.bwd_dkv.tma and gpu.bwd_dq.tma  # the tiles v25 gave TMA loads
-    pointers = td.default_diff_configs(64, torch.float16, tma=False)
-    assert pointers is td.default_diff_configs(64, torch.float16, tma=False)  # cached
-    assert pointers == KernelConfigs(*(replace(c, tma=False) for c in (gpu.fwd, gpu.bwd_dkv, gpu.bwd_dq)))
+    large, small = td.default_diff_configs(64, torch.float16), td.default_diff_configs(64, torch.float16, large=False)
+    kernels = ("fwd", "bwd_dkv", "bwd_dq")
+    assert all(getattr(large, k).tma for k in kernels) and not any(getattr(small, k).tma for k in kernels)
+    assert small is td.default_diff_configs(64, torch.float16, large=False)  # cached
+    side = math.isqrt(2 * triton_launch.TMA_MIN_WORK // (16 * 128) - 1) + 1  # (1, 16, side, 128): the least length
+    for t, expected in ((side, True), (side - 1, False)):
+        q = torch.empty(1, 16, t, 128, device="meta")
+        assert td.large_call(q, q, q) == expected
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    tile = BlockConfig(16, 16, tma=True)
-    monkeypatch.setattr(td, "_default_diff_configs", lambda *args: KernelConfigs(tile, tile, tile, tile))
+    tile = BlockConfig(16, 16)
+    monkeypatch.setattr(td, "_default_diff_configs", lambda d, dtype, interpreting, large: KernelConfigs(
+        *[replace(tile, tma=large)] * 4))
     sources, used = td._sources, []
 
     def spy(cfg, *args):
@@ -504,15 +507,15 @@ def test_default_tiles_load_through_tma_only_in_calls_of_enough_work(monkeypatch
         return sources(cfg, *args)
 
     monkeypatch.setattr(td, "_sources", spy)
-    gen = generator("diff_tma_rule")
+    gen = generator("diff_large_call")
     x = [randn(gen, 1, 2, 20, 16, dtype=torch.float16) for _ in range(6)]
     beta, lam = torch.tensor([0.5, 1.0]), torch.tensor([0.3, 0.6])
-    for min_work, tma in ((triton_launch.TMA_MIN_WORK, False), (0, True)):
+    for min_work, large_tiles in ((triton_launch.TMA_MIN_WORK, False), (0, True)):
         monkeypatch.setattr(triton_launch, "TMA_MIN_WORK", min_work)
         used.clear()
         diff_triton_forward(*x[:5], beta, lam, 2.0, 1.0)
         diff_triton_backward(*x[:5], beta, lam, 2.0, 1.0, x[5], True, True)
-        assert used == [tma] * 4  # the forward, two dK/dV launches, dQ
+        assert used == [large_tiles] * 4  # the forward, two dK/dV launches, dQ
 
 
 def test_kernels_compile_for_hopper(tmp_path):
