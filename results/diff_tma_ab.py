@@ -7,7 +7,7 @@ new against main (relative error norm; other tiles, so not bit for bit), then th
 times, with two single calls (new's) for scale. Medians [min - max] of 5 rounds of `triton.testing.do_bench`, the
 versions interleaved, their order reversed every other round, ms:
 
-    PYTHONPATH=$PWD/.ab:$PYTHONPATH python results/diff_tma_ab.py main,new
+    PYTHONPATH=$PWD/.ab:$PYTHONPATH python results/diff_tma_ab.py main,new [T,T,...: these lengths only]
 """
 
 import concurrent.futures
@@ -71,14 +71,15 @@ def spread(ts: list[float]) -> str:
     return f"{statistics.median(ts):7.3f} [{min(ts):.3f} - {max(ts):.3f}]"
 
 
-def main(names: list[str]) -> None:
+def main(names: list[str], seq_lens: tuple[int, ...] = SEQ_LENS) -> None:
+    points = [point for point in POINTS if point[2] in seq_lens]
     versions = {name: importlib.import_module(f"lit_thresh_{name}.ops") for name in names}
-    tasks = [(name, *point) for name in names for point in POINTS]
+    tasks = [(name, *point) for name in names for point in points]
     with concurrent.futures.ProcessPoolExecutor(16, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(warm, tasks))
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: compiled {len(tasks)} points", flush=True)
     base, new = names
-    for dtype_name, d, t in POINTS:
+    for dtype_name, d, t in points:
         x, dout = inputs(getattr(torch, dtype_name), d, t, TOKENS // t)
         runs = {name: calls(ops, x, dout, d) for name, ops in versions.items()}
         got = {name: [run["forward"](), *[g.grad for g in run["forward+backward"]()]] for name, run in runs.items()}
@@ -102,4 +103,5 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["main", "new"])
+    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["main", "new"],
+         tuple(map(int, sys.argv[2].split(","))) if len(sys.argv) > 2 else SEQ_LENS)
