@@ -235,9 +235,16 @@ def test_compiled_call_is_one_op_and_matches_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,dv", [(64, 128), (128, 128)])
+@pytest.mark.parametrize("tiles", ["small calls'", "large calls'"])
+@pytest.mark.parametrize("d,dv", [(64, 64), (64, 128), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_triton_realistic_sizes_gpu(d, dv, dtype):
+def test_triton_realistic_sizes_gpu(d, dv, dtype, tiles, monkeypatch):
+    """The default tiles at training sizes, those of calls below large_call's threshold and, with the threshold
+    set to 0, those of large calls (v25: some load through TMA descriptors)."""
+    if tiles == "large calls'":
+        from lit_thresh.ops import triton_launch
+
+        monkeypatch.setattr(triton_launch, "TMA_MIN_WORK", 0)
     check("cuda", dtype, "triton", 2, 4, 2, 1024, 1024, d, dv, scale=d**-0.5)  # fp16: sums stay in range
 
 
