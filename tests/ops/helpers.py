@@ -102,3 +102,18 @@ def check_against_reference(device, dtype, backend, b, hq, hkv, tq, tk, d, dv, b
     grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
     assert all(e < grad_tol + f for e, f in zip(grad_errs.values(), floors[1:])), f"tolerance {grad_tol}: {grad_errs}"
     return True
+
+
+def record_tma(monkeypatch, module) -> list[bool]:
+    """Patches module._sources (triton_launch's or triton_differential's) to note, per kernel launch, whether its
+    inputs went to the kernel as TMA descriptors; returns the list it appends to."""
+    sources, used = module._sources, []
+
+    def spy(*args, **kwargs):
+        srcs, use_tma = sources(*args, **kwargs)
+        used.append(use_tma)
+        return srcs, use_tma
+
+    monkeypatch.setattr(module, "_sources", spy)
+    return used
+

@@ -303,9 +303,15 @@ def test_the_prepared_forward_launches_what_triton_forward_launches(monkeypatch,
     q2, k2, v2, beta2 = (t.clone().as_strided(t.shape, t.stride()) for t in (q, k, v, beta))
     out2 = prepared(q2, k2, v2, beta2)
     assert (out2.shape, out2.stride(), out2.dtype) == (out.shape, out.stride(), out.dtype)
-    (grid, stream, args), (grid2, stream2, args2) = triton_launch._FWD.kernel.compiled.launches
-    assert (grid2, stream2, len(args2)) == (grid, stream, len(args))
     swap = {id(q): q2, id(k): k2, id(v): v2, id(beta): beta2, id(out): out2}
+    _assert_launched_alike(triton_launch._FWD.kernel.compiled.launches, swap)
+
+
+def _assert_launched_alike(launches: list, swap: dict) -> None:
+    """Two recorded launches (grid, stream, args): the same grid, stream and scalars, and in the second each tensor
+    of the first replaced by swap[id(tensor)], or the same tensor where swap has none."""
+    (grid, stream, args), (grid2, stream2, args2) = launches
+    assert (grid2, stream2, len(args2)) == (grid, stream, len(args))
     for a, a2 in zip(args, args2):
         if isinstance(a, torch.Tensor):
             assert swap.get(id(a), a) is a2, "each tensor in its place (the gain table the same one)"
@@ -537,14 +543,8 @@ def test_the_prepared_differential_forward_launches_what_diff_triton_forward_lau
     new = tuple(t.clone().as_strided(t.shape, t.stride()) for t in inputs)
     out2 = prepared(*new)
     assert (out2.shape, out2.stride(), out2.dtype) == (out.shape, out.stride(), out.dtype)
-    (grid, stream, args), (grid2, stream2, args2) = triton_differential._FWD.kernel.compiled.launches
-    assert (grid2, stream2, len(args2)) == (grid, stream, len(args))
     swap = {id(t): t2 for t, t2 in zip((*inputs, out), (*new, out2))}
-    for a, a2 in zip(args, args2):
-        if isinstance(a, torch.Tensor):
-            assert swap.get(id(a), a) is a2, "each tensor in its place (the gain table the same one)"
-        else:
-            assert (type(a2), a2) == (type(a), a)
+    _assert_launched_alike(triton_differential._FWD.kernel.compiled.launches, swap)
 
 
 def test_no_differential_forward_is_prepared_where_it_would_not_be_one_plain_launch(monkeypatch):

@@ -28,7 +28,7 @@ from lit_thresh.ops.differential_function import (
 from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
 from lit_thresh.ops.triton_differential import diff_triton_backward, diff_triton_forward
 from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs
-from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, laid_out, randn, rel_err
+from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, laid_out, randn, record_tma, rel_err
 from tests.ops.sm90 import run_without_interpreter
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
@@ -314,14 +314,7 @@ def test_tma_loads_match_pointer_loads_and_the_reference(device, dtype, power, m
     TMA descriptors; the output and every gradient match the float64 reference, and on CPU equal the pointer
     loads' bit for bit. GQA, odd lengths, Tq < Tk, Dv != D, head dims below their blocks (zero-filled columns);
     fp16 with row scales. A layout TMA cannot read (rows 40 bytes apart) loads through pointers."""
-    sources, used = td._sources, []
-
-    def spy(*args, **kwargs):
-        srcs, use_tma = sources(*args, **kwargs)
-        used.append(use_tma)
-        return srcs, use_tma
-
-    monkeypatch.setattr(td, "_sources", spy)
+    used = record_tma(monkeypatch, td)
     gen = generator("diff_tma", device, dtype, power)
     b, hq, hkv, tq, tk, d, dv = 1, 4, 2, 29, 45, 24, 40
     (q1, q2, k1, k2, v), beta, lam = make_inputs(gen, device, dtype, b, hq, hkv, tq, tk, d, dv, "per_head", "per_head")
@@ -507,13 +500,7 @@ def test_large_calls_get_the_tma_tiles_and_smaller_ones_the_pointer_tiles(monkey
     tile = BlockConfig(16, 16)
     monkeypatch.setattr(td, "_default_diff_configs", lambda d, dtype, interpreting, large: KernelConfigs(
         *[replace(tile, tma=large)] * 4))
-    sources, used = td._sources, []
-
-    def spy(cfg, *args):
-        used.append(cfg.tma)
-        return sources(cfg, *args)
-
-    monkeypatch.setattr(td, "_sources", spy)
+    used = record_tma(monkeypatch, td)  # these inputs suit TMA: it is used wherever a config asks for it
     gen = generator("diff_large_call")
     x = [randn(gen, 1, 2, 20, 16, dtype=torch.float16) for _ in range(6)]
     beta, lam = torch.tensor([0.5, 1.0]), torch.tensor([0.3, 0.6])

@@ -13,7 +13,15 @@ import torch
 
 from lit_thresh.ops import threshold_attention, triton_launch
 from lit_thresh.ops.reference import threshold_attention_reference
-from tests.ops.helpers import TOLERANCE, check_against_reference, generator, randn, reference_with_grads, rel_err
+from tests.ops.helpers import (
+    TOLERANCE,
+    check_against_reference,
+    generator,
+    randn,
+    record_tma,
+    reference_with_grads,
+    rel_err,
+)
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -238,14 +246,7 @@ def test_triton_default_tiles_with_tma_on_transposed_views(head_dim, dtype, monk
     """The default tiles with their TMA loads forced on, on (B, T, H, D) views at an odd length; the loads do
     go through descriptors."""
     monkeypatch.setattr(triton_launch, "TMA_MIN_WORK", 0)
-    sources, used = triton_launch._sources, []
-
-    def spy(*args, **kwargs):
-        srcs, use_tma = sources(*args, **kwargs)
-        used.append(use_tma)
-        return srcs, use_tma
-
-    monkeypatch.setattr(triton_launch, "_sources", spy)
+    used = record_tma(monkeypatch, triton_launch)
     assert check_against_reference("cuda", dtype, "triton", 2, 4, 2, 333, 333, head_dim, head_dim, beta="per_head",
                                    power=2.0, layout="bthd")
     assert any(used), "some kernel must have loaded through TMA descriptors"
