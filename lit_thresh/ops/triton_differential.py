@@ -149,7 +149,7 @@ def diff_threshold_fwd_kernel(
 ):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(TQ, BLOCK_M), B * H).
     q1 and q2 share strides, as do k1 and k2 (the launcher makes them so). USE_TMA: Q1, Q2, K1, K2, V are
-    (B, H, T, D) tensor descriptors (the strides are then unused). ROW_SCALE (fp16): P rows
+    (B, H, T, D) tensor descriptors (their strides then unused). ROW_SCALE (fp16): P rows
     scaled into fp16's range by a power of two per row, from the key norms ROW_NORMS (B * H / GROUP, 2, TK)
     fp32, |k1_j| then |k2_j| (unused otherwise). SKIP_ZERO: skip the PV product of key tiles where both
     rectified score tiles are all exactly 0."""
@@ -287,11 +287,11 @@ def diff_threshold_bwd_dkv_kernel(
 ):
     """One program: dK1, dK2, dV of BLOCK_N keys of one (batch, kv head), summed over the GROUP query heads
     that share them (no atomics); with PART 1 dK1 and dV only, with PART 2 dK2 only (bwd_dk2 in the configs).
-    Grid (cdiv(TK, BLOCK_N), B * HKV). USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors. ROW_SCALE (fp16, p >= 1): the rows of
-    P^T, dS1^T and dS2^T scaled into fp16's range by a power of two per key each, from the norms ROW_NORMS
-    (B * HKV * GROUP, 3, TQ) fp32, |q1_i|, |q2_i| then |dO_i| (unused otherwise); FP16_RANGE (fp16, p < 1):
-    per-tile scaling instead. SKIP_ZERO: skip the work after the score products of query tiles where both
-    rectified score tiles are all exactly 0."""
+    Grid (cdiv(TK, BLOCK_N), B * HKV). USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors. ROW_SCALE (fp16,
+    p >= 1): the rows of P^T, dS1^T and dS2^T scaled into fp16's range by a power of two per key each, from the
+    norms ROW_NORMS (B * HKV * GROUP, 3, TQ) fp32, |q1_i|, |q2_i| then |dO_i| (unused otherwise); FP16_RANGE
+    (fp16, p < 1): per-tile scaling instead. SKIP_ZERO: skip the work after the score products of query tiles
+    where both rectified score tiles are all exactly 0."""
     scale, power = _as_fp32(scale), _as_fp32(power)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
