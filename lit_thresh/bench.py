@@ -564,14 +564,16 @@ def _sweep_inputs(b: int, h: int, t: int, d: int, dtype: torch.dtype, device: st
     return inputs | {"beta": torch.ones(h, device=device), "lam": torch.full((h,), 0.5, device=device)}
 
 
-def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callable[[], object]:
+def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor], large: bool = True) -> Callable[[], object]:
     """The call that times `kernel` of op ('' single, 'diff ' differential) at cfg, the other kernels at their
-    defaults: the forward, or the whole backward (with skip_zero, by the map of a forward run beforehand)."""
+    defaults (the differential op's: its large calls' where large, as at the grid point swept): the forward, or
+    the whole backward (with skip_zero, by the map of a forward run beforehand)."""
     from lit_thresh.ops.triton_differential import default_diff_configs, diff_triton_backward, diff_triton_forward
     from lit_thresh.ops.triton_launch import default_configs, triton_backward, triton_forward
 
     q, k, v, beta, dout = x["q"], x["k"], x["v"], x["beta"], x["dout"]
-    defaults = default_diff_configs(q.shape[-1], q.dtype) if op else default_configs(q.shape[-1], q.dtype, q.shape[2])
+    d = q.shape[-1]
+    defaults = default_diff_configs(d, q.dtype, large) if op else default_configs(d, q.dtype, q.shape[2])
     configs = replace(defaults, **{kernel: cfg})
     if op:
         pairs = (q, x["q2"], k, x["k2"], v, beta, x["lam"], 2.0, 1.0)
@@ -587,13 +589,14 @@ def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor]) -> Callab
     return lambda: triton_backward(q, k, v, beta, 2.0, 1.0, dout, True, configs)
 
 
-def _sweep_configs(op: str, kernel: str, d: int, dtype: torch.dtype, t: int) -> list:
-    """The default at length t first, the default with skip_zero, then SWEPT_OPS[op][kernel], each with and without
-    TMA loads; none where the default has no such kernel (bwd_dk2 outside bf16 D = 128)."""
+def _sweep_configs(op: str, kernel: str, d: int, dtype: torch.dtype, t: int, large: bool = True) -> list:
+    """The default at length t (the differential op's: of its large calls where large) first, the default with
+    skip_zero, then SWEPT_OPS[op][kernel], each with and without TMA loads; none where the default has no such
+    kernel (bwd_dk2 outside bf16 D = 128)."""
     from lit_thresh.ops.triton_differential import default_diff_configs
     from lit_thresh.ops.triton_launch import BlockConfig, default_configs
 
-    default = getattr(default_diff_configs(d, dtype) if op else default_configs(d, dtype, t), kernel)
+    default = getattr(default_diff_configs(d, dtype, large) if op else default_configs(d, dtype, t), kernel)
     if default is None:
         return []
     cfgs = [default, replace(default, skip_zero=True)]
@@ -603,9 +606,9 @@ def _sweep_configs(op: str, kernel: str, d: int, dtype: torch.dtype, t: int) -> 
 
 def _compile_one(task: tuple) -> str:
     """Worker: run one config once at (1, H, T, D) so that its compiled kernel lands in Triton's cache."""
-    op, kernel, cfg, h, t, d, dtype_name = task
+    op, kernel, cfg, h, t, d, dtype_name, large = task
     try:
-        _sweep_call(op, kernel, cfg, _sweep_inputs(1, h, t, d, DTYPES[dtype_name]))()
+        _sweep_call(op, kernel, cfg, _sweep_inputs(1, h, t, d, DTYPES[dtype_name]), large)()
         torch.cuda.synchronize()
         return ""
     except Exception as err:  # out of shared memory or registers for this tile
@@ -615,26 +618,30 @@ def _compile_one(task: tuple) -> str:
 def sweep(dtype: torch.dtype, d: int, t: int, b: int, h: int, timing: Timing, workers: int,
           ops: Sequence[str] = tuple(SWEEP_OP_NAMES)) -> list[Result]:
     """Time each kernel of the ops named (SWEEP_OP_NAMES: the single and the differential op) over SWEPT_OPS's
-    configs, the other kernels at their defaults."""
+    configs, the other kernels at their defaults for a call of this size."""
+    from lit_thresh.ops.triton_differential import large_call
+
     name = str(dtype).removeprefix("torch.")
+    shape = torch.empty(b, h, t, d, device="meta")  # (B, H, T, D): only its size counts
+    large = large_call(shape, shape, shape)
     swept = {SWEEP_OP_NAMES[op]: SWEPT_OPS[SWEEP_OP_NAMES[op]] for op in ops}
     keys = [(op, kernel, cfg) for op, kernels in swept.items() for kernel in kernels
-            for cfg in _sweep_configs(op, kernel, d, dtype, t)]
+            for cfg in _sweep_configs(op, kernel, d, dtype, t, large)]
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:  # compile in parallel
-        errors = dict(zip(keys, pool.map(_compile_one, [(*key, h, t, d, name) for key in keys])))
+        errors = dict(zip(keys, pool.map(_compile_one, [(*key, h, t, d, name, large) for key in keys])))
     x = _sweep_inputs(b, h, t, d, dtype)
     out = []
     for op, kernels in swept.items():
         for kernel in kernels:
             timed = []
-            for i, cfg in enumerate(_sweep_configs(op, kernel, d, dtype, t)):
+            for i, cfg in enumerate(_sweep_configs(op, kernel, d, dtype, t, large)):
                 label = f"{op}{kernel} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                 label += (" tma" if cfg.tma else "") + (" skip" if cfg.skip_zero else "")
                 error = errors[(op, kernel, cfg)]
                 res = Result(label, name, d, t, b, h, note=("default " if i == 0 else "") + error)
                 if not error:
                     try:
-                        ms = _median_ms(_sweep_call(op, kernel, cfg, x), [], timing)
+                        ms = _median_ms(_sweep_call(op, kernel, cfg, x, large), [], timing)
                         if kernel == "fwd":
                             res.fwd_ms = ms
                         else:

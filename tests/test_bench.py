@@ -168,9 +168,24 @@ def test_sweep_of_the_second_dkv_launch_only_where_the_default_has_one(monkeypat
     assert triton_differential.default_diff_configs(16, torch.float32).bwd_dk2 is None
     assert bench._sweep_configs("diff ", "bwd_dk2", 16, torch.float32, 24) == []
     tile = BlockConfig(16, 16, 4, 1)
-    monkeypatch.setattr(triton_differential, "default_diff_configs", lambda d, dtype: KernelConfigs(tile, tile, tile, tile))
+    monkeypatch.setattr(triton_differential, "default_diff_configs",
+                        lambda d, dtype, large: KernelConfigs(tile, tile, tile, tile))
     cfgs = bench._sweep_configs("diff ", "bwd_dk2", 16, torch.float32, 24)
     assert cfgs[0] == tile and len(cfgs) == 2 + 2 * len(bench.DIFF_SWEEP["bwd_dk2"])
+
+
+def test_the_differential_sweep_starts_at_the_defaults_of_a_call_of_its_size(monkeypatch):
+    """Below the differential op's large-call size (triton_differential.large_call) a sweep starts from the small
+    calls' default tiles, above it from the large calls'; the kernels not swept stay at the same defaults."""
+    from lit_thresh.ops import triton_differential
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's tiles (nothing is launched here)
+    firsts = []
+    for large in (False, True):
+        defaults = triton_differential.default_diff_configs(64, torch.float16, large)
+        firsts.append(bench._sweep_configs("diff ", "fwd", 64, torch.float16, 4096, large)[0])
+        assert firsts[-1] == defaults.fwd
+    assert firsts[0] != firsts[1]
 
 
 def test_sweep_rows_are_told_from_the_table_rows():
@@ -210,11 +225,11 @@ def test_sweep_times_every_config_of_both_ops_and_sorts_each_kernel(monkeypatch)
     broken = bench.SWEPT_OPS["diff "]["bwd_dq"][0]
     real_call = bench._sweep_call
 
-    def call(op, kernel, cfg, x):
+    def call(op, kernel, cfg, x, large=True):
         tile = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
         if (op, kernel, tile, cfg.tma) == ("diff ", "bwd_dq", broken, False):
             raise RuntimeError("out of resources: shared memory")
-        return real_call(op, kernel, cfg, x)
+        return real_call(op, kernel, cfg, x, large)
 
     monkeypatch.setattr(bench, "_sweep_call", call)
     two_each = {op: {kernel: cfgs[:2] for kernel, cfgs in kernels.items()} for op, kernels in bench.SWEPT_OPS.items()}
