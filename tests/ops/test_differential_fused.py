@@ -8,8 +8,8 @@ the `gpu`-marked cases run realistic sizes on CUDA (`pytest -m gpu`).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -514,8 +514,9 @@ def test_large_calls_get_the_tma_tiles_and_smaller_ones_the_pointer_tiles(monkey
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects: compile each kernel for sm_90 down to a cubin, in a
-    process without TRITON_INTERPRET (no GPU needed), with its default tiles at head dims where they are
-    largest (the shared memory must fit an H200's 227 KiB), with the constexprs the launchers pass. fp16:
+    process without TRITON_INTERPRET (no GPU needed), with its default tiles (large calls'; small calls' where
+    they differ) at head dims where they are largest (the shared memory must fit an H200's 227 KiB), through
+    pointers (the fallback of layouts TMA cannot read), with the constexprs the launchers pass. fp16:
     every kernel row-scaled (ROW_SCALE) in each power mode, and the backward's per-tile path of p < 1
     (FP16_RANGE). fp64 float scalars as torch.compile passes them."""
     script = textwrap.dedent(
@@ -536,9 +537,11 @@ def test_kernels_compile_for_hopper(tmp_path):
                   for p in (1.0, 1.5, 0.5)]
         cases += [("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "bf16", torch.bfloat16, 128, 128, 2.0, True),
                   ("diff_threshold_bwd_dkv_kernel", "bwd_dk2", "bf16", torch.bfloat16, 128, 128, 2.0, False)]
+        cases += [("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, p, False, False)
+                  for p in (2.0, 0.5)]  # small calls' dQ tile (the other kernels' tiles are the large calls')
         parts = {"bwd_dk2": 2}  # bf16 D = 128 computes dK2 in a second launch (bwd_dk2); bwd_dkv then computes the rest
-        for name, which, dtype, torch_dtype, d, dv, power, skip in cases:
-            cfg = getattr(td.default_diff_configs(max(d, dv), torch_dtype), which)
+        for name, which, dtype, torch_dtype, d, dv, power, skip, *large in cases:  # large: True unless given
+            cfg = getattr(td.default_diff_configs(max(d, dv), torch_dtype, *large), which)
             flags = (("BETA_GRAD", True), ("LAM_GRAD", True)) if which == "bwd_dq" else ()
             if which.startswith("bwd_dk"):
                 split = td.default_diff_configs(max(d, dv), torch_dtype).bwd_dk2 is not None
