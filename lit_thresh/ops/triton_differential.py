@@ -538,11 +538,10 @@ def default_diff_configs(head_dim: int, dtype: torch.dtype, large: bool = True) 
 
 
 def large_call(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a call gets default_diff_configs' large-call tiles: B * Hq * Tq * Tk * max(D, Dv) at least twice the
-    single op's triton_launch.TMA_MIN_WORK (two maps); at H = 16 and B * T = 16384, D = 64 from T = 4096 and
+    """Whether a call gets default_diff_configs' large-call tiles: its work (triton_launch.call_work) at least twice
+    the single op's triton_launch.TMA_MIN_WORK (two maps); at H = 16 and B * T = 16384, D = 64 from T = 4096 and
     D = 128 from T = 2048."""
-    work = q1.shape[0] * q1.shape[1] * q1.shape[2] * k1.shape[2] * max(q1.shape[3], v.shape[3])
-    return work >= 2 * triton_launch.TMA_MIN_WORK
+    return triton_launch.call_work(q1, k1, v) >= 2 * triton_launch.TMA_MIN_WORK
 
 
 @functools.lru_cache(maxsize=64)

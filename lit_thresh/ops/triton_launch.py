@@ -204,10 +204,14 @@ def _plan(d: int, dv: int, dtype: torch.dtype, power: float, precision: str, int
                  for cfg, meta in zip((configs.fwd, configs.bwd_dkv, configs.bwd_dq), (fwd_meta, bwd_meta, bwd_meta)))
 
 
+def call_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """A call's size as the default tiles' rules weigh it: B * Hq * Tq * Tk * max(D, Dv)."""
+    return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * max(q.shape[3], v.shape[3])
+
+
 def default_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the default tiles load through TMA descriptors in this call (TMA_MIN_WORK)."""
-    return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * max(q.shape[3], v.shape[3]) >= TMA_MIN_WORK or (
-        q.is_cuda and torch.cuda.is_current_stream_capturing())
+    return call_work(q, k, v) >= TMA_MIN_WORK or (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _problem_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: float, configs: KernelConfigs | None,
