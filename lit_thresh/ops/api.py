@@ -124,11 +124,26 @@ def threshold_attention(
     plan = call_plans.plan_for(key)
     if plan is None:  # the checks, then the op; the signature's plan kept once it comes again
         return _checked_threshold_attention(q, k, v, beta, power, scale, backend, skip_zero, key)
-    if plan.beta is not None:
-        beta = plan.beta
-    elif plan.beta_converted:
-        beta = _beta_per_head(beta, q.shape[1], q.device, q.dtype)
+    beta = _planned_per_head(beta, plan.beta, plan.beta_converted, q)
     return threshold_attention_apply(q, k, v, beta, plan.power, plan.scale, plan.backend, skip_zero, plan.forward)
+
+
+def _planned_per_head(given: float | torch.Tensor, kept: torch.Tensor | None, converted: bool, q: torch.Tensor,
+                      name: str = "beta") -> float | torch.Tensor:
+    """A planned call's beta or lam: the (Hq,) tensor its plan kept of a float, else `given` converted as the
+    checks converted it, or as given where they took it as it was (_kept_per_head made kept and converted)."""
+    if kept is not None:
+        return kept
+    if converted:
+        return _beta_per_head(given, q.shape[1], q.device, q.dtype, name)
+    return given
+
+
+def _kept_per_head(given: object, per_head: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """What a call's plan keeps of a beta or lam `given`, which the checks made per_head (Hq,): the tensor made of
+    a float (later calls reuse it) or None, and whether a tensor given is converted again at each call."""
+    kept = per_head if type(given) is float else None
+    return kept, kept is None and per_head is not given
 
 
 def _checked_threshold_attention(
@@ -157,11 +172,10 @@ def _checked_threshold_attention(
             from lit_thresh.ops.triton_launch import prepare_forward
 
             forward = prepare_forward(q, k, v, beta_h, power, scale)
-        constant_beta = beta_h if type(beta) is float else None
+        constant_beta, converted = _kept_per_head(beta, beta_h)
         if constant_beta is not None and constant_beta.is_cuda:  # filled on this stream, read on any later
             torch.cuda.current_stream(constant_beta.device).synchronize()
-        return call_plans.CallPlan(backend, power, scale, constant_beta, beta_h is not beta and constant_beta is None,
-                                   forward)
+        return call_plans.CallPlan(backend, power, scale, constant_beta, converted, forward)
 
     call_plans.remember(key, plan)
     return out
@@ -213,15 +227,8 @@ def differential_threshold_attention(
     plan = call_plans.plan_for(key)
     if plan is None:  # the checks, then the op; the signature's plan kept once it comes again
         return _checked_differential_threshold_attention(q1, q2, k1, k2, v, beta, lam, power, scale, backend, key)
-    heads = q1.shape[1]
-    if plan.beta is not None:
-        beta = plan.beta
-    elif plan.beta_converted:
-        beta = _beta_per_head(beta, heads, q1.device, q1.dtype)
-    if plan.lam is not None:
-        lam = plan.lam
-    elif plan.lam_converted:
-        lam = _beta_per_head(lam, heads, q1.device, q1.dtype, name="lam")
+    beta = _planned_per_head(beta, plan.beta, plan.beta_converted, q1)
+    lam = _planned_per_head(lam, plan.lam, plan.lam_converted, q1, "lam")
     return differential_threshold_attention_apply(q1, q2, k1, k2, v, beta, lam, plan.power, plan.scale, plan.backend,
                                                   plan.forward)
 
@@ -254,13 +261,10 @@ def _checked_differential_threshold_attention(
             from lit_thresh.ops.triton_differential import prepare_diff_forward
 
             forward = prepare_diff_forward(q1, q2, k1, k2, v, beta_h, lam_h, power, scale)
-        constant_beta = beta_h if type(beta) is float else None
-        constant_lam = lam_h if type(lam) is float else None
-        if q1.is_cuda and (constant_beta is not None or constant_lam is not None):  # filled on this stream
+        kept_beta, kept_lam = _kept_per_head(beta, beta_h), _kept_per_head(lam, lam_h)
+        if q1.is_cuda and (kept_beta[0] is not None or kept_lam[0] is not None):  # filled on this stream
             torch.cuda.current_stream(q1.device).synchronize()
-        return call_plans.DifferentialPlan(
-            backend, power, scale, constant_beta, beta_h is not beta and constant_beta is None,
-            constant_lam, lam_h is not lam and constant_lam is None, forward)
+        return call_plans.DifferentialPlan(backend, power, scale, *kept_beta, *kept_lam, forward)
 
     call_plans.remember(key, plan)
     return out
