@@ -117,3 +117,11 @@ def record_tma(monkeypatch, module) -> list[bool]:
     monkeypatch.setattr(module, "_sources", spy)
     return used
 
+
+def differential_reference(q1, q2, k1, k2, v, beta, lam, power, scale):
+    """A1 V - lam A2 V with an unclamped lambda (a float, 0-d or (Hq,)), materialising both maps
+    (threshold_attention_reference); gradients reach every input that requires one."""
+    lam = torch.as_tensor(lam, dtype=q1.dtype, device=q1.device).reshape(-1, 1, 1)  # (1|Hq, 1, 1)
+    a1v = threshold_attention_reference(q1, k1, v, beta, power, scale)  # (B, Hq, Tq, Dv)
+    return a1v - lam * threshold_attention_reference(q2, k2, v, beta, power, scale)
+

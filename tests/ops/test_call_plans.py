@@ -16,9 +16,8 @@ from lit_thresh.ops import (
     api, call_plans, chunked, chunked_differential, differential_threshold_attention, fast_launch, threshold_attention,
     triton_differential, triton_launch,
 )
-from lit_thresh.ops.reference import threshold_attention_reference
 from lit_thresh.ops.triton_kernels import threshold_fwd_kernel
-from tests.ops.helpers import TOLERANCE, generator, randn, reference_with_grads, rel_err
+from tests.ops.helpers import TOLERANCE, differential_reference, generator, randn, reference_with_grads, rel_err
 
 
 def _inputs(gen, b=1, hq=2, hkv=2, tq=24, tk=24, d=16, dtype=torch.float32, device="cpu"):
@@ -428,10 +427,7 @@ def _diff_reference_with_grads(tensors, beta, lam, dout, scale=1.0):
     then of beta and lam where they are tensors."""
     group = [t.detach().double().requires_grad_() for t in tensors]
     beta, lam = (x.detach().double().requires_grad_() if isinstance(x, torch.Tensor) else x for x in (beta, lam))
-    q1, q2, k1, k2, v = group
-    lam_b = lam.reshape(-1, 1, 1) if isinstance(lam, torch.Tensor) else lam  # (1|Hq, 1, 1)
-    ref = (threshold_attention_reference(q1, k1, v, beta, 2.0, scale)
-           - lam_b * threshold_attention_reference(q2, k2, v, beta, 2.0, scale))
+    ref = differential_reference(*group, beta, lam, 2.0, scale)
     wrt = group + [x for x in (beta, lam) if isinstance(x, torch.Tensor)]
     return ref, torch.autograd.grad(ref, wrt, dout.double())
 

@@ -17,19 +17,21 @@ import pytest
 import torch
 
 from lit_thresh.ops import differential_threshold_attention
-from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
-from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, assert_rows_close, generator, randn, rel_err
+from lit_thresh.ops.reference import threshold_attention_weights
+from tests.ops.helpers import (
+    SUBLINEAR_GRAD_TOLERANCE,
+    TOLERANCE,
+    assert_rows_close,
+    differential_reference,
+    generator,
+    randn,
+    rel_err,
+)
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 FP16_MAX = 65504.0
 TOL = TOLERANCE[torch.float16]
 NAMES = ("out", "dq1", "dq2", "dk1", "dk2", "dv", "dbeta", "dlam")
-
-
-def _reference(q1, q2, k1, k2, v, beta, lam, power, scale):
-    """A1 V - lam A2 V from threshold_attention_reference, lam (Hq,) unclamped."""
-    a1v = threshold_attention_reference(q1, k1, v, beta, power, scale)  # (B, Hq, Tq, Dv)
-    return a1v - lam.reshape(-1, 1, 1) * threshold_attention_reference(q2, k2, v, beta, power, scale)
 
 
 def _largest(q1, q2, k1, k2, v, dout, beta, lam, power: float, scale: float) -> tuple[float, float, float]:
@@ -57,7 +59,7 @@ def _run(inputs, dout, beta, lam, power: float, scale: float):
     out = differential_threshold_attention(*inputs, beta_t, lam_t, power, scale=scale, backend="triton")
     got = (out, *torch.autograd.grad(out, (*inputs, beta_t, lam_t), dout))
     wrt = [t.detach().double().requires_grad_() for t in (*inputs, beta_t, lam_t)]
-    ref = _reference(*wrt[:5], wrt[5], wrt[6], power, scale)
+    ref = differential_reference(*wrt[:5], wrt[5], wrt[6], power, scale)
     return got, (ref, *torch.autograd.grad(ref, wrt, dout.double()))
 
 
@@ -287,7 +289,7 @@ def test_fp16_diff_inf_or_nan_key_leaves_the_bound_of_other_rows_alone(device, w
     inputs[which][0, 1, key, 3] = value
     out, dq1, dq2, dk1, dk2, dv = _out_and_grads(inputs)
     lam = torch.tensor([0.5, 0.7], dtype=torch.float64, device=device)
-    ref = _reference(*(t.double() for t in inputs), 0.5, lam, 2.0, 1.0)
+    ref = differential_reference(*(t.double() for t in inputs), 0.5, lam, 2.0, 1.0)
     finite = torch.isfinite(ref).all(-1)  # (B, H, T)
     assert torch.equal(torch.isfinite(out).all(-1), finite) and not finite[0, 1, key:].all()
     assert rel_err(out[finite], ref[finite]) < TOL + rel_err(ref[finite].half(), ref[finite])

@@ -1,5 +1,6 @@
 """The fused differential_threshold_attention (Triton kernels and the blockwise PyTorch path) against a float64
-reference built from threshold_attention_reference: forward and every gradient (q1, q2, k1, k2, v, beta, lambda).
+reference built from threshold_attention_reference (helpers.differential_reference): forward and every gradient
+(q1, q2, k1, k2, v, beta, lambda).
 
 On CPU the Triton kernels run through the Triton interpreter (tests/conftest.py), so those cases are tiny;
 the `gpu`-marked cases run realistic sizes on CUDA (`pytest -m gpu`).
@@ -25,21 +26,23 @@ from lit_thresh.ops.differential_function import (
     differential_threshold_attention_backward_op,
     differential_threshold_attention_op,
 )
-from lit_thresh.ops.reference import threshold_attention_reference, threshold_attention_weights
+from lit_thresh.ops.reference import threshold_attention_weights
 from lit_thresh.ops.triton_differential import diff_triton_backward, diff_triton_forward
 from lit_thresh.ops.triton_launch import BlockConfig, KernelConfigs
-from tests.ops.helpers import SUBLINEAR_GRAD_TOLERANCE, TOLERANCE, generator, laid_out, randn, record_tma, rel_err
+from tests.ops.helpers import (
+    SUBLINEAR_GRAD_TOLERANCE,
+    TOLERANCE,
+    differential_reference,
+    generator,
+    laid_out,
+    randn,
+    record_tma,
+    rel_err,
+)
 from tests.ops.sm90 import run_without_interpreter
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dbeta", "dlam")
-
-
-def differential_reference(q1, q2, k1, k2, v, beta, lam, power, scale):
-    """A1 V - lam A2 V with an unclamped per-head lambda, materialising both maps."""
-    lam = torch.as_tensor(lam, dtype=q1.dtype, device=q1.device).reshape(-1, 1, 1)  # (1|Hq, 1, 1)
-    a1v = threshold_attention_reference(q1, k1, v, beta, power, scale)  # (B, Hq, Tq, Dv)
-    return a1v - lam * threshold_attention_reference(q2, k2, v, beta, power, scale)
 
 
 def make_inputs(gen, device, dtype, b, hq, hkv, tq, tk, d, dv, beta, lam, layout="bhtd"):
