@@ -21,13 +21,14 @@ POINTER_TYPES = {  # the kernels' pointer arguments that are not inputs or outpu
 
 
 def compile_for_sm90(kernel, constexprs: dict, element_type: str, float_type: str = "fp64", specialise: bool = False,
-                     **options):
+                     descriptors: dict[str, tuple[int, ...]] | None = None, **options):
     """kernel (a triton.jit function) compiled for sm_90. Its arguments: the constexprs it takes from
     `constexprs`; pointers (every argument before the first stride_) typed by POINTER_TYPES, else pointers to
     element_type ("bf16", "fp16", "fp32"); scale and power float_type ("fp64": torch.compile passes Python floats
     so); other ints i32. specialise: as a launch on 16-byte-aligned tensors with unit last strides specialises
-    them (pointers and the other strides divisible by 16, each last stride the constexpr 1). options: Triton's
-    compile options (num_warps, num_stages)."""
+    them (pointers and the other strides divisible by 16, each last stride the constexpr 1). descriptors: the
+    inputs passed as TMA tensor descriptors (USE_TMA), by argument name, with their block shapes (1, 1, rows,
+    cols), as triton_launch._sources makes them. options: Triton's compile options (num_warps, num_stages)."""
     consts = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
     sig, attrs = {}, {}
@@ -36,6 +37,8 @@ def compile_for_sm90(kernel, constexprs: dict, element_type: str, float_type: st
             sig[arg] = "constexpr"
         elif specialise and arg.startswith("stride_") and arg.endswith("d"):  # a last stride (stride_qd, ...)
             sig[arg], consts[arg] = "constexpr", 1
+        elif arg in (descriptors or {}):
+            sig[arg] = f"tensordesc<{element_type}[{','.join(map(str, descriptors[arg]))}]>"
         elif i < n_ptr:
             sig[arg] = POINTER_TYPES.get(arg, f"*{element_type}")
             if specialise:

@@ -519,7 +519,8 @@ def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects: compile each kernel for sm_90 down to a cubin, in a
     process without TRITON_INTERPRET (no GPU needed), with its default tiles (large calls'; small calls' where
     they differ) at head dims where they are largest (the shared memory must fit an H200's 227 KiB), through
-    pointers (the fallback of layouts TMA cannot read), with the constexprs the launchers pass. fp16:
+    pointers (the fallback of layouts TMA cannot read) and, for three of the large calls' TMA tiles, through
+    tensor descriptors, with the constexprs the launchers pass. fp16:
     every kernel row-scaled (ROW_SCALE) in each power mode, and the backward's per-tile path of p < 1
     (FP16_RANGE). fp64 float scalars as torch.compile passes them."""
     script = textwrap.dedent(
@@ -543,18 +544,32 @@ def test_kernels_compile_for_hopper(tmp_path):
         cases += [("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, p, False, False)
                   for p in (2.0, 0.5)]  # small calls' dQ tile (the other kernels' tiles are the large calls')
         parts = {"bwd_dk2": 2}  # bf16 D = 128 computes dK2 in a second launch (bwd_dk2); bwd_dkv then computes the rest
-        for name, which, dtype, torch_dtype, d, dv, power, skip, *large in cases:  # large: True unless given
-            cfg = getattr(td.default_diff_configs(max(d, dv), torch_dtype, *large), which)
+
+        def compile_case(name, which, dtype, torch_dtype, d, dv, power, skip, large=True, tma=False):
+            cfg = getattr(td.default_diff_configs(max(d, dv), torch_dtype, large), which)
             flags = (("BETA_GRAD", True), ("LAM_GRAD", True)) if which == "bwd_dq" else ()
             if which.startswith("bwd_dk"):
                 split = td.default_diff_configs(max(d, dv), torch_dtype).bwd_dk2 is not None
                 flags = (("PART", parts.get(which, 1) if split else 0),)
-            flags += (("USE_TMA", False),)  # pointer loads: the descriptors' types are not built here
+            descriptors = None
+            if tma:  # the inputs as descriptors of the blocks the launchers make (triton_launch._sources)
+                assert cfg.tma, (name, dtype, d)
+                rows = dict(Q1=cfg.block_m, Q2=cfg.block_m, K1=cfg.block_n, K2=cfg.block_n, V=cfg.block_n, dO=cfg.block_m)
+                cols = dict.fromkeys(("Q1", "Q2", "K1", "K2"), td._block_dim(d)) | dict(V=td._block_dim(dv), dO=td._block_dim(dv))
+                descriptors = {arg: (1, 1, r, cols[arg]) for arg, r in rows.items() if arg in getattr(td, name).arg_names}
+            flags += (("USE_TMA", tma),)
             meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
                             torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)
-            compiled = compile_for_sm90(getattr(td, name), meta, dtype, num_warps=cfg.num_warps,
-                                        num_stages=cfg.num_stages)
+            compiled = compile_for_sm90(getattr(td, name), meta, dtype, descriptors=descriptors,
+                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)
+
+        for case in cases:  # pointer loads
+            compile_case(*case)
+        # the large calls' tiles that load through TMA, with descriptors
+        compile_case("diff_threshold_fwd_kernel", "fwd", "fp16", torch.float16, 64, 64, 2.0, False, tma=True)
+        compile_case("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "bf16", torch.bfloat16, 64, 64, 2.0, False, tma=True)
+        compile_case("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, 2.0, False, tma=True)
         print("compiled")
         """
     )

@@ -153,14 +153,16 @@ def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile every
     kernel for sm_90 down to a cubin in a process without TRITON_INTERPRET (no GPU needed), with skip_zero
     off and (bf16) on, the fp16 forward writing its map through row-scaled scores (p = 2), the skip_zero
-    tile-map pre-pass, and the row norms' and the work lists' kernels. The bf16 case types the float scalars
-    fp64, as torch.compile passes Python floats to user kernels."""
+    tile-map pre-pass, and the row norms' and the work lists' kernels; and the default tiles that load through
+    TMA (bf16 D = 128, fp16 D = 64's forward) with their inputs as tensor descriptors. The bf16 case types the
+    float scalars fp64, as torch.compile passes Python floats to user kernels."""
     script = textwrap.dedent(
         """
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from lit_thresh.ops import triton_kernels as tk
+        import torch
+        from lit_thresh.ops import triton_kernels as tk, triton_launch as tl
         from tests.ops.sm90 import compile_for_sm90
 
         names = ("threshold_fwd_kernel", "threshold_bwd_dkv_kernel", "threshold_bwd_dq_kernel")
@@ -175,6 +177,19 @@ def test_kernels_compile_for_hopper(tmp_path):
                           PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False, SKIP_ZERO=skip,
                           USE_TMA=False, FP16_RANGE=False, BETA_GRAD=True)
             compile_for_sm90(getattr(tk, name), consts, dtype, float_type)
+        # the long maps' default tiles that load through TMA (bf16 D = 128, fp16 D = 64's forward), with descriptors
+        cfgs = tl.default_configs(128, torch.bfloat16)
+        tma_cases = [(name, "bf16", 128, cfg) for name, cfg in zip(names, (cfgs.fwd, cfgs.bwd_dkv, cfgs.bwd_dq))]
+        tma_cases.append(("threshold_fwd_kernel", "fp16", 64, tl.default_configs(64, torch.float16).fwd))
+        for name, dtype, d, cfg in tma_cases:
+            assert cfg.tma, (name, dtype, d)
+            rows = dict(Q=cfg.block_m, K=cfg.block_n, V=cfg.block_n, dO=cfg.block_m)
+            descriptors = {arg: (1, 1, r, d) for arg, r in rows.items() if arg in getattr(tk, name).arg_names}
+            consts = dict(D=d, DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, POWER_MODE=2,
+                          ROW_SCALE=dtype == "fp16", PRECISION="ieee", UPCAST=False, SKIP_ZERO=False, USE_TMA=True,
+                          FP16_RANGE=False, BETA_GRAD=True)
+            compile_for_sm90(getattr(tk, name), consts, dtype, "fp32", descriptors=descriptors,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         norms = tk.row_norms_kernel  # (X, OUT, ints...): the launcher's constexprs at D = 200 and 64
         for x_type, d, block_d, block_t in (("*bf16", 200, 256, 32), ("*fp16", 64, 64, 128)):
             sig = {arg: x_type if arg == "X" else "*fp32" if arg == "OUT" else "i32" for arg in norms.arg_names}
