@@ -554,9 +554,10 @@ def test_kernels_compile_for_hopper(tmp_path):
             descriptors = None
             if tma:  # the inputs as descriptors of the blocks the launchers make (triton_launch._sources)
                 assert cfg.tma, (name, dtype, d)
-                rows = dict(Q1=cfg.block_m, Q2=cfg.block_m, K1=cfg.block_n, K2=cfg.block_n, V=cfg.block_n, dO=cfg.block_m)
-                cols = dict.fromkeys(("Q1", "Q2", "K1", "K2"), td._block_dim(d)) | dict(V=td._block_dim(dv), dO=td._block_dim(dv))
-                descriptors = {arg: (1, 1, r, cols[arg]) for arg, r in rows.items() if arg in getattr(td, name).arg_names}
+                bm, bn, bd, bdv = cfg.block_m, cfg.block_n, td._block_dim(d), td._block_dim(dv)
+                blocks = dict(Q1=(bm, bd), Q2=(bm, bd), K1=(bn, bd), K2=(bn, bd), V=(bn, bdv), dO=(bm, bdv))
+                args = getattr(td, name).arg_names
+                descriptors = {arg: (1, 1, *block) for arg, block in blocks.items() if arg in args}
             flags += (("USE_TMA", tma),)
             meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
                             torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)
