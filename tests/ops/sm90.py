@@ -51,6 +51,15 @@ def compile_for_sm90(kernel, constexprs: dict, element_type: str, float_type: st
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def descriptor_blocks(kernel, block_m: int, block_n: int, block_d: int, block_dv: int) -> dict[str, tuple[int, ...]]:
+    """compile_for_sm90's descriptors for a kernel whose inputs load through TMA: the blocks (1, 1, rows, cols) the
+    launchers' triton_launch._sources calls make, BLOCK_M rows of queries and dO, BLOCK_N of keys and values;
+    BLOCK_DV columns of V and dO, BLOCK_D of the others."""
+    rows = dict(Q=block_m, Q1=block_m, Q2=block_m, dO=block_m, K=block_n, K1=block_n, K2=block_n, V=block_n)
+    return {arg: (1, 1, r, block_dv if arg in ("V", "dO") else block_d) for arg, r in rows.items()
+            if arg in kernel.arg_names}
+
+
 def run_without_interpreter(script: str, cache_dir: Path, timeout: int) -> None:
     """Runs a Python script in a new process without TRITON_INTERPRET (Triton compiles for real), with its own
     Triton cache and this repository importable; it must exit cleanly and print "compiled"."""

@@ -527,7 +527,7 @@ def test_kernels_compile_for_hopper(tmp_path):
         """
         import torch
         from lit_thresh.ops import triton_differential as td
-        from tests.ops.sm90 import compile_for_sm90
+        from tests.ops.sm90 import compile_for_sm90, descriptor_blocks
 
         cases = [("diff_threshold_fwd_kernel", "fwd", "fp16", torch.float16, 256, 256, 1.5, False),
                  ("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "bf16", torch.bfloat16, 64, 128, 2.0, True),
@@ -552,12 +552,10 @@ def test_kernels_compile_for_hopper(tmp_path):
                 split = td.default_diff_configs(max(d, dv), torch_dtype).bwd_dk2 is not None
                 flags = (("PART", parts.get(which, 1) if split else 0),)
             descriptors = None
-            if tma:  # the inputs as descriptors of the blocks the launchers make (triton_launch._sources)
+            if tma:  # the inputs as descriptors of the blocks the launchers make
                 assert cfg.tma, (name, dtype, d)
-                bm, bn, bd, bdv = cfg.block_m, cfg.block_n, td._block_dim(d), td._block_dim(dv)
-                blocks = dict(Q1=(bm, bd), Q2=(bm, bd), K1=(bn, bd), K2=(bn, bd), V=(bn, bdv), dO=(bm, bdv))
-                args = getattr(td, name).arg_names
-                descriptors = {arg: (1, 1, *block) for arg, block in blocks.items() if arg in args}
+                descriptors = descriptor_blocks(getattr(td, name), cfg.block_m, cfg.block_n, td._block_dim(d),
+                                                td._block_dim(dv))
             flags += (("USE_TMA", tma),)
             meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
                             torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)

@@ -163,7 +163,7 @@ def test_kernels_compile_for_hopper(tmp_path):
         from triton.compiler import ASTSource
         import torch
         from lit_thresh.ops import triton_kernels as tk, triton_launch as tl
-        from tests.ops.sm90 import compile_for_sm90
+        from tests.ops.sm90 import compile_for_sm90, descriptor_blocks
 
         names = ("threshold_fwd_kernel", "threshold_bwd_dkv_kernel", "threshold_bwd_dq_kernel")
         shapes = {"fp16": (48, 0, "fp32"), "bf16": (64, 2, "fp64"), "fp32": (128, 1, "fp32")}
@@ -183,8 +183,7 @@ def test_kernels_compile_for_hopper(tmp_path):
         tma_cases.append(("threshold_fwd_kernel", "fp16", 64, tl.default_configs(64, torch.float16).fwd))
         for name, dtype, d, cfg in tma_cases:
             assert cfg.tma, (name, dtype, d)
-            rows = dict(Q=cfg.block_m, K=cfg.block_n, V=cfg.block_n, dO=cfg.block_m)
-            descriptors = {arg: (1, 1, r, d) for arg, r in rows.items() if arg in getattr(tk, name).arg_names}
+            descriptors = descriptor_blocks(getattr(tk, name), cfg.block_m, cfg.block_n, d, d)
             consts = dict(D=d, DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, POWER_MODE=2,
                           ROW_SCALE=dtype == "fp16", PRECISION="ieee", UPCAST=False, SKIP_ZERO=False, USE_TMA=True,
                           FP16_RANGE=False, BETA_GRAD=True)
