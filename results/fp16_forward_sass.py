@@ -21,7 +21,7 @@ from lit_thresh.ops import triton_kernels
 from lit_thresh.ops.triton_launch import _single_metas, default_configs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for tests.ops
-from tests.ops.sm90 import compile_for_sm90  # noqa: E402  (the compile tests' signature builder)
+from tests.ops.sm90 import compile_for_sm90, sass_loops  # noqa: E402  (the compile tests' signature builder)
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -44,12 +44,7 @@ def sass(d: int, dtype: torch.dtype, row_scale: bool) -> tuple[str, str]:
 
 
 def summary(text: str) -> str:
-    instrs = [(int(m.group(1), 16), line) for line in text.splitlines()
-              if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", line))]
-    loops = [(int(m.group(1), 16), addr) for addr, line in instrs
-             if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m.group(1), 16) < addr]
-    mma = [addr for addr, line in instrs if "HGMMA" in line]
-    key_loops = [(s, e) for s, e in loops if any(s <= a <= e for a in mma)]
+    instrs, loops, key_loops = sass_loops(text)
     prologue = sum(1 for addr, _ in instrs if addr < key_loops[0][0])
     bodies = [(e - s) // 16 + 1 for s, e in key_loops]
     others = [(e - s) // 16 + 1 for s, e in loops if (s, e) not in key_loops]

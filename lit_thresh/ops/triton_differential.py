@@ -81,26 +81,41 @@ def _diff_fwd_update(
 def _key_tiles_and_scores(
     q1, q2, tau, pos, k1_src, k2_src, b, hk, start_n, stride_kt, stride_kd, TK, scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, MAP: tl.constexpr = 0,
 ):
     """The key tiles k1, k2 (BLOCK_N, BLOCK_D) of keys [start_n, start_n + BLOCK_N) of kv head (b, hk) and the
     shifted scores x_m = scale q_m k_m^T - tau (BLOCK_M, BLOCK_N) of both maps, 0 on future keys where
-    CAUSAL_MASK (the diagonal blocks); scale: a scalar or (BLOCK_M, 1) row scales."""
+    CAUSAL_MASK (the diagonal blocks); scale: a scalar or (BLOCK_M, 1) row scales. MAP 1 or 2: that map's
+    alone, returned for both (the other is not read)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:
-        k1 = _seq_tile(k1_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
-        k2 = _seq_tile(k2_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
+        if MAP != 2:
+            k1 = _seq_tile(k1_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
+        if MAP != 1:
+            k2 = _seq_tile(k2_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
     else:  # one offset tile for both pointers (_seq_tile's would be built twice: 2 more instructions per tile)
         offs_d = tl.arange(0, BLOCK_D)
         k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
-        k1 = _load_tile(k1_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        k2 = _load_tile(k2_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-    x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-    x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        if MAP != 2:
+            k1 = _load_tile(k1_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        if MAP != 1:
+            k2 = _load_tile(k2_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    if MAP != 2:
+        x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    if MAP != 1:
+        x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
     if CAUSAL_MASK:
         visible = offs_n[None, :] <= pos[:, None]
-        x1 = tl.where(visible, x1, 0.0)
-        x2 = tl.where(visible, x2, 0.0)
+        if MAP != 2:
+            x1 = tl.where(visible, x1, 0.0)
+        if MAP != 1:
+            x2 = tl.where(visible, x2, 0.0)
+    if MAP == 1:
+        k2 = k1
+        x2 = x1
+    if MAP == 2:
+        k1 = k2
+        x1 = x2
     return k1, k2, x1, x2
 
 
@@ -218,15 +233,20 @@ def _diff_bwd_dkv_update(
 ):
     """dK1, dK2, dV accumulators after one (key tile, query tile) pair with transposed scores (BLOCK_N, BLOCK_M);
     with ROW_SCALE, the rows of P^T, dS1^T and dS2^T are multiplied by p_mul, ds1_mul and ds2_mul (BLOCK_N,) first.
-    PART: 0 updates all three, 1 dK1 and dV, 2 dK2 alone (x1_t and q1 are then not read)."""
-    p2_t = _rectify(x2_t, power, POWER_MODE)
+    PART: 0 updates all three, 1 dK1 and dV, 2 dK2 alone (x1_t and q1 are then not read); one map each: 3 dK1 and
+    map 1's term of dV, P1^T dO (x2_t and q2 not read), 4 dK2 and map 2's, -lam P2^T dO (x1_t and q1 not read)."""
+    if PART != 3:
+        p2_t = _rectify(x2_t, power, POWER_MODE)
     dp_t = _mma(v, tl.trans(do), None, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_M)
-    if PART != 2:
+    if PART != 2 and PART != 4:  # map 1
         p1_t = _rectify(x1_t, power, POWER_MODE)
-        dv = _dot_rows(p1_t - lam * p2_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
+        pv_t = p1_t if PART == 3 else p1_t - lam * p2_t
+        dv = _dot_rows(pv_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
         ds1_t = dp_t * _rectify_slope(x1_t, p1_t, power, POWER_MODE)  # dS1^T / p
         dk1 = _dot_rows(ds1_t, ds1_mul, q1, dk1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
-    if PART != 1:
+    if PART != 1 and PART != 3:  # map 2
+        if PART == 4:
+            dv = _dot_rows(-lam * p2_t, p_mul, do, dv, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_DV)
         ds2_t = -lam * dp_t * _rectify_slope(x2_t, p2_t, power, POWER_MODE)  # dS2^T / p
         dk2 = _dot_rows(ds2_t, ds2_mul, q2, dk2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_N, BLOCK_D)
     return dk1, dk2, dv
@@ -242,24 +262,30 @@ def _diff_bwd_dkv_inner(
 ):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q2 = _seq_tile(q2_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+        if PART != 3:
+            q2 = _seq_tile(q2_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
         do = _seq_tile(do_src, b, h, start_m, stride_dot, stride_dod, TQ, DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
         pos = offs_m + past
         tau = beta * _gain(GAINS, pos)  # (BLOCK_M,)
-        x2_t = _mma(k2, tl.trans(q2), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
         if CAUSAL_MASK:
             visible = offs_n[:, None] <= pos[None, :]
-            x2_t = tl.where(visible, x2_t, 0.0)
-        if PART != 2:
+        if PART != 3:
+            x2_t = _mma(k2, tl.trans(q2), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
+            if CAUSAL_MASK:
+                x2_t = tl.where(visible, x2_t, 0.0)
+        if PART != 2 and PART != 4:
             q1 = _seq_tile(q1_src, b, h, start_m, stride_qt, stride_qd, TQ, D, BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
             x1_t = _mma(k1, tl.trans(q1), None, PRECISION, UPCAST) * scale - tau[None, :]  # (BLOCK_N, BLOCK_M)
             if CAUSAL_MASK:
                 x1_t = tl.where(visible, x1_t, 0.0)
-        else:  # dK2 alone: map 1 is not read
+        else:  # map 1 is not read
             q1 = q2
             x1_t = x2_t
+        if PART == 3:  # map 2 is not read
+            q2 = q1
+            x2_t = x1_t
         if SKIP_ZERO:
-            if _any_live(x1_t) | _any_live(x2_t):  # x1_t is x2_t in part 2
+            if _any_live(x1_t) | _any_live(x2_t):  # the one map twice in parts 2, 3 and 4
                 dk1, dk2, dv = _diff_bwd_dkv_update(dk1, dk2, dv, x1_t, x2_t, lam, q1, q2, do, v, power,
                                                     p_mul, ds1_mul, ds2_mul,
                                                     POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST, PART)
@@ -286,7 +312,9 @@ def diff_threshold_bwd_dkv_kernel(
     UPCAST: tl.constexpr, SKIP_ZERO: tl.constexpr = False, PART: tl.constexpr = 0, USE_TMA: tl.constexpr = False,
 ):
     """One program: dK1, dK2, dV of BLOCK_N keys of one (batch, kv head), summed over the GROUP query heads
-    that share them (no atomics); with PART 1 dK1 and dV only, with PART 2 dK2 only (bwd_dk2 in the configs).
+    that share them (no atomics); with PART 1 dK1 and dV only, with PART 2 dK2 only (bwd_dk2 in the configs); with
+    PART 3 dK1 and map 1's term of dV, with PART 4 dK2 and map 2's term of dV, added to the dV that PART 3 stored
+    (bwd_dk2 with split_maps: each launch reads one map, as a single op's does).
     Grid (cdiv(TK, BLOCK_N), B * HKV). USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors. ROW_SCALE (fp16,
     p >= 1): the rows of P^T, dS1^T and dS2^T scaled into fp16's range by a power of two per key each, from the
     norms ROW_NORMS (B * HKV * GROUP, 3, TQ) fp32, |q1_i|, |q2_i| then |dO_i| (unused otherwise); FP16_RANGE
@@ -371,10 +399,13 @@ def diff_threshold_bwd_dkv_kernel(
 
     dk_offs = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
     dv_ptrs = dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
-    if PART != 2:
+    if PART != 2 and PART != 4:
         _store_tile(dK1 + dk_offs, (dk1 * (scale * power)).to(dK1.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
+    if PART == 4:  # map 1's term, stored by PART 3
+        dv += _load_tile(dv_ptrs, offs_n, TK, offs_dv, DV, True, DV != BLOCK_DV).to(tl.float32)
+    if PART != 2:
         _store_tile(dv_ptrs, dv.to(dV.dtype.element_ty), offs_n, TK, offs_dv, DV, DV != BLOCK_DV)
-    if PART != 1:
+    if PART != 1 and PART != 3:
         _store_tile(dK2 + dk_offs, (dk2 * (scale * power)).to(dK2.dtype.element_ty), offs_n, TK, offs_d, D, D != BLOCK_D)
 
 
@@ -385,20 +416,32 @@ def _diff_bwd_dq_update(
     DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, USE_TMA: tl.constexpr,
+    MAP: tl.constexpr,
 ):
     """dQ1, dQ2 accumulators and per-row dbeta / dlambda sums after one (query tile, key tile) pair
     with scores x1, x2 (BLOCK_M, BLOCK_N); V is loaded only here, when needed. With ROW_SCALE, the rows
-    of dS1 and dS2 are multiplied by ds1_mul and ds2_mul (BLOCK_M,) before the cast (not in the sums)."""
+    of dS1 and dS2 are multiplied by ds1_mul and ds2_mul (BLOCK_M,) before the cast (not in the sums).
+    MAP 1: dQ1 and dS1's dbeta terms alone; MAP 2: dQ2, dS2's dbeta terms and the dlambda terms."""
     v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CHECK_ROWS, USE_TMA)  # (BLOCK_N, BLOCK_DV)
     dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
-    p2 = _rectify(x2, power, POWER_MODE)
-    ds1 = dp * _rectify_slope(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)  # dS1 / p
-    ds2 = -lam * dp * _rectify_slope(x2, p2, power, POWER_MODE)  # dS2 / p
-    dq1 = _dot_rows(ds1, ds1_mul, k1, dq1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
-    dq2 = _dot_rows(ds2, ds2_mul, k2, dq2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    if MAP != 1:
+        p2 = _rectify(x2, power, POWER_MODE)
+    if MAP != 2:
+        ds1 = dp * _rectify_slope(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)  # dS1 / p
+    if MAP != 1:
+        ds2 = -lam * dp * _rectify_slope(x2, p2, power, POWER_MODE)  # dS2 / p
+    if MAP != 2:
+        dq1 = _dot_rows(ds1, ds1_mul, k1, dq1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    if MAP != 1:
+        dq2 = _dot_rows(ds2, ds2_mul, k2, dq2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
     if BETA_GRAD:
-        ds_sum += tl.sum(ds1 + ds2, axis=1)
-    if LAM_GRAD:
+        if MAP == 0:
+            ds_sum += tl.sum(ds1 + ds2, axis=1)
+        elif MAP == 1:
+            ds_sum += tl.sum(ds1, axis=1)
+        else:
+            ds_sum += tl.sum(ds2, axis=1)
+    if LAM_GRAD and MAP != 1:
         dlam_sum += tl.sum(dp * p2, axis=1)
     return dq1, dq2, ds_sum, dlam_sum
 
@@ -410,22 +453,23 @@ def _diff_bwd_dq_inner(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr,
-    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
+    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr, MAP: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         k1, k2, x1, x2 = _key_tiles_and_scores(q1, q2, tau, pos, k1_src, k2_src, b, hk, start_n, stride_kt, stride_kd,
-                                               TK, scale, D, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION, UPCAST, USE_TMA)
+                                               TK, scale, D, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION, UPCAST, USE_TMA,
+                                               MAP)
         if SKIP_ZERO:
-            if _any_live(x1) | _any_live(x2):
+            if _any_live(x1) | _any_live(x2):  # the one map twice with MAP 1 or 2
                 dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
                     dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, start_n, v_src, b, hk,
                     stride_vt, stride_vd, TK, power, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                    FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA)
+                    FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA, MAP)
         else:
             dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
                 dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, start_n, v_src, b, hk,
                 stride_vt, stride_vd, TK, power, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA)
+                FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA, MAP)
     return dq1, dq2, ds_sum, dlam_sum
 
 
@@ -442,12 +486,13 @@ def diff_threshold_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, MAP: tl.constexpr = 0,
 ):
     """One program: dQ1, dQ2 of BLOCK_M queries of one (batch, head), and their per-row terms
     -gain_i sum_j (dS1 + dS2)_ij into DBETA_ROWS and -sum_j dP_ij ReLU(x2_ij)^p into DLAM_ROWS
     (both (B * H, TQ) fp32, summed on the host; from unscaled dS1, dS2, dP). Grid (cdiv(TQ, BLOCK_M), B * H).
-    USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors.
+    MAP 1: dQ1 and the dS1 terms alone (map 2 not read); MAP 2: dQ2, the dS2 terms and DLAM_ROWS (map 1 not
+    read; bwd_dq2 in the configs). USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors.
     ROW_SCALE (fp16, p >= 1): dS1 and dS2 rows scaled into fp16's range by a power of two per row each,
     from the norms ROW_NORMS (B * H / GROUP, 3, TK) fp32, |k1_j|, |k2_j| then |v_j| (unused otherwise);
     FP16_RANGE (fp16, p < 1): per-tile scaling instead."""
@@ -463,10 +508,16 @@ def diff_threshold_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     start_m = pid_m * BLOCK_M
-    q1 = _seq_tile(_head_src(Q1, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
-                   BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
-    q2 = _seq_tile(_head_src(Q2, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
-                   BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    if MAP != 2:
+        q1 = _seq_tile(_head_src(Q1, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
+                       BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    if MAP != 1:
+        q2 = _seq_tile(_head_src(Q2, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
+                       BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    if MAP == 1:  # the other map is not read
+        q2 = q1
+    if MAP == 2:
+        q1 = q2
     do = _seq_tile(_head_src(dO, b, h, stride_dob, stride_doh, USE_TMA), b, h, start_m, stride_dot, stride_dod, TQ,
                    DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
     pos = offs_m + past
@@ -486,13 +537,19 @@ def diff_threshold_bwd_dq_kernel(
     if ROW_SCALE:
         norms = ROW_NORMS + (b * (H // GROUP) + hk) * 3 * TK  # |k1_j|, |k2_j| then |v_j| of this kv head
         neg_tau = tl.maximum(-tau, 0.0)
-        base1 = tl.abs(scale) * _row_norms(q1) * _finite_max(norms, 0, n_end) + neg_tau  # (BLOCK_M,) >= every x1 of the row
-        base2 = tl.abs(scale) * _row_norms(q2) * _finite_max(norms + TK, 0, n_end) + neg_tau  # (BLOCK_M,)
+        if MAP != 2:  # (the statements in the order of MAP 0's, which both maps' launch compiles as before)
+            base1 = tl.abs(scale) * _row_norms(q1) * _finite_max(norms, 0, n_end) + neg_tau  # (BLOCK_M,) >= every x1 of the row
+        if MAP != 1:
+            base2 = tl.abs(scale) * _row_norms(q2) * _finite_max(norms + TK, 0, n_end) + neg_tau  # (BLOCK_M,)
         log2_dp = tl.log2(_row_norms(do)) + tl.log2(_finite_max(norms + 2 * TK, 0, n_end))  # (BLOCK_M,) >= log2 |dP_ij|
-        ds1_exp = _fp16_exp(_log2_grad_bound(base1, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
-        ds2_exp = _fp16_exp(tl.log2(tl.abs(lam)) + _log2_grad_bound(base2, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
-        ds1_mul = tl.exp2(-ds1_exp)
-        ds2_mul = tl.exp2(-ds2_exp)
+        if MAP != 2:
+            ds1_exp = _fp16_exp(_log2_grad_bound(base1, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
+        if MAP != 1:
+            ds2_exp = _fp16_exp(tl.log2(tl.abs(lam)) + _log2_grad_bound(base2, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
+        if MAP != 2:
+            ds1_mul = tl.exp2(-ds1_exp)
+        if MAP != 1:
+            ds2_mul = tl.exp2(-ds2_exp)
     dq1 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq2 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -501,23 +558,26 @@ def diff_threshold_bwd_dq_kernel(
         dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_src, k2_src, v_src, b, hk,
         stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, 0, n_full,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST,
-        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA)
+        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA, MAP)
     dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_inner(
         dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_src, k2_src, v_src, b, hk,
         stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, n_full, n_end,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST,
-        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA)
-    if ROW_SCALE:
+        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA, MAP)
+    if ROW_SCALE and MAP != 2:
         dq1 = dq1 * tl.exp2(ds1_exp)[:, None]
+    if ROW_SCALE and MAP != 1:
         dq2 = dq2 * tl.exp2(ds2_exp)[:, None]
 
     dq_offs = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
-    _store_tile(dQ1 + dq_offs, (dq1 * (scale * power)).to(dQ1.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
-    _store_tile(dQ2 + dq_offs, (dq2 * (scale * power)).to(dQ2.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    if MAP != 2:
+        _store_tile(dQ1 + dq_offs, (dq1 * (scale * power)).to(dQ1.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    if MAP != 1:
+        _store_tile(dQ2 + dq_offs, (dq2 * (scale * power)).to(dQ2.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
     row = pid_bh.to(tl.int64) * TQ + offs_m
     if BETA_GRAD:
         tl.store(DBETA_ROWS + row, -(gain * power) * ds_sum, mask=offs_m < TQ)
-    if LAM_GRAD:
+    if LAM_GRAD and MAP != 1:
         tl.store(DLAM_ROWS + row, -dlam_sum, mask=offs_m < TQ)
 
 
@@ -732,8 +792,11 @@ def diff_triton_backward(
     cfgs = configs or default_diff_configs(max(d, dv), q1.dtype, large_call(q1, k1, v))
     scalars = (tq, tk, scale, power)
     bd, bdv = _block_dim(d), _block_dim(dv)
-    parts = ((cfgs.bwd_dkv, 0),) if cfgs.bwd_dk2 is None else ((cfgs.bwd_dkv, 1), (cfgs.bwd_dk2, 2))
-    block_m = max(cfgs.bwd_dq.block_m, *(cfg.block_m for cfg, _ in parts))
+    parts = (((cfgs.bwd_dkv, 0),) if cfgs.bwd_dk2 is None  # dK1, dK2 and dV in one launch; else two:
+             else ((cfgs.bwd_dkv, 3), (cfgs.bwd_dk2, 4)) if cfgs.split_maps  # one map each
+             else ((cfgs.bwd_dkv, 1), (cfgs.bwd_dk2, 2)))  # dK1 and dV, then dK2
+    dq_parts = ((cfgs.bwd_dq, 0),) if cfgs.bwd_dq2 is None else ((cfgs.bwd_dq, 1), (cfgs.bwd_dq2, 2))  # one map each
+    block_m = max(cfg.block_m for cfg, _ in parts + dq_parts)
     gains = gain_table(q1.device, d, tk + block_m)  # (>= Tk + BLOCK_M,)
     dq1, dq2 = torch.empty_like(q1), torch.empty_like(q1)
     dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
@@ -755,17 +818,19 @@ def diff_triton_backward(
             _kernel_meta(cfg, q1, d, dv, power, False, USE_TMA=use_tma), PART=part,
         )
 
-    cfg = cfgs.bwd_dq
-    dbeta_rows, dlam_rows = (  # (B, Hq, Tq) each; dq1: a placeholder the kernel does not touch
-        torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need else dq1 for need in (need_dbeta, need_dlam)
-    )
-    bm, bn = cfg.block_m, cfg.block_n
-    srcs, use_tma = _sources(cfg, inputs, (bm, bm, bn, bn, bn, bm), cols)
-    _BWD_DQ(
-        (-(-tq // bm), b * hq), (*srcs, dq1, dq2, dbeta_rows, dlam_rows, beta, gains, lam, kv_norms),
-        (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(), hq, hq // hkv, *scalars),
-        _kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam, USE_TMA=use_tma),
-    )
-    dbeta = dbeta_rows.sum(dim=(0, 2)).to(beta.dtype) if need_dbeta else None  # (Hq,)
+    dbeta_rows = (  # (launches, B, Hq, Tq): each dQ launch's dbeta terms; dq1: a placeholder the kernel does not touch
+        torch.empty(len(dq_parts), b, hq, tq, device=q1.device, dtype=torch.float32) if need_dbeta else None)
+    dlam_rows = torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need_dlam else dq1  # (B, Hq, Tq)
+    for i, (cfg, part) in enumerate(dq_parts):  # dQ1 and dQ2 in one launch, or one map each
+        bm, bn = cfg.block_m, cfg.block_n
+        srcs, use_tma = _sources(cfg, inputs, (bm, bm, bn, bn, bn, bm), cols)
+        _BWD_DQ(
+            (-(-tq // bm), b * hq),
+            (*srcs, dq1, dq2, dq1 if dbeta_rows is None else dbeta_rows[i], dlam_rows, beta, gains, lam, kv_norms),
+            (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(), hq, hq // hkv, *scalars),
+            _kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam, USE_TMA=use_tma),
+            MAP=part,
+        )
+    dbeta = dbeta_rows.sum(dim=(0, 1, 3)).to(beta.dtype) if need_dbeta else None  # (Hq,)
     dlam = dlam_rows.sum(dim=(0, 2)).to(lam.dtype) if need_dlam else None  # (Hq,)
     return dq1, dq2, dk1, dk2, dval, dbeta, dlam

@@ -5,6 +5,7 @@ launch gives them. The compile tests call compile_for_sm90 in a process without 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,14 @@ def run_without_interpreter(script: str, cache_dir: Path, timeout: int) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def sass_loops(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, int]], list[tuple[int, int]]]:
+    """A `cuobjdump -sass` listing's instructions [(address, line)], its loops [(first, last address)] (the
+    backward branches) and those loops that hold HGMMAs (the key loops; an outer loop holds its inner ones')."""
+    instrs = [(int(m.group(1), 16), line) for line in text.splitlines()
+              if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", line))]
+    loops = [(int(m.group(1), 16), addr) for addr, line in instrs
+             if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m.group(1), 16) < addr]
+    mma = [addr for addr, line in instrs if "HGMMA" in line]
+    return instrs, loops, [(s, e) for s, e in loops if any(s <= a <= e for a in mma)]
