@@ -9,6 +9,10 @@ beta and lambda (H,) with their gradients. Medians [min - max] of 5 interleaved 
 `triton.testing.do_bench`, the order reversed every other round, in ms:
 
     python results/diff_split_maps_ab.py
+
+It ran on the tree at 4a5cf40 (`git checkout 4a5cf40` to run it again), output in
+results/diff_split_maps_ab_2026-12-07_h100.txt. After it, split_maps became D = 128's large-call default and
+bwd_dq2 was removed (PERF.md v26), so on later trees it does not run as written.
 """
 
 import concurrent.futures

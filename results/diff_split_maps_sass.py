@@ -7,6 +7,10 @@ there), the instruction count of each loop's body that holds HGMMAs (nested loop
 the first two are the innermost key loops) and the spill loads and stores (LDL / STL) inside those loops:
 
     python results/diff_split_maps_sass.py
+
+It ran on the tree at 4a5cf40 (`git checkout 4a5cf40` to run it again), output in
+results/diff_split_maps_sass_2026-12-07.txt. After it, split_maps became D = 128's large-call default and
+bwd_dq2 was removed (PERF.md v26), so on later trees it does not run as written.
 """
 
 import os

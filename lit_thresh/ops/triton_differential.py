@@ -81,41 +81,26 @@ def _diff_fwd_update(
 def _key_tiles_and_scores(
     q1, q2, tau, pos, k1_src, k2_src, b, hk, start_n, stride_kt, stride_kd, TK, scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, MAP: tl.constexpr = 0,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """The key tiles k1, k2 (BLOCK_N, BLOCK_D) of keys [start_n, start_n + BLOCK_N) of kv head (b, hk) and the
     shifted scores x_m = scale q_m k_m^T - tau (BLOCK_M, BLOCK_N) of both maps, 0 on future keys where
-    CAUSAL_MASK (the diagonal blocks); scale: a scalar or (BLOCK_M, 1) row scales. MAP 1 or 2: that map's
-    alone, returned for both (the other is not read)."""
+    CAUSAL_MASK (the diagonal blocks); scale: a scalar or (BLOCK_M, 1) row scales."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:
-        if MAP != 2:
-            k1 = _seq_tile(k1_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
-        if MAP != 1:
-            k2 = _seq_tile(k2_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
+        k1 = _seq_tile(k1_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
+        k2 = _seq_tile(k2_src, b, hk, start_n, stride_kt, stride_kd, TK, D, BLOCK_N, BLOCK_D, CAUSAL_MASK, True)  # (BLOCK_N, BLOCK_D)
     else:  # one offset tile for both pointers (_seq_tile's would be built twice: 2 more instructions per tile)
         offs_d = tl.arange(0, BLOCK_D)
         k_offs = offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
-        if MAP != 2:
-            k1 = _load_tile(k1_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        if MAP != 1:
-            k2 = _load_tile(k2_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
-    if MAP != 2:
-        x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
-    if MAP != 1:
-        x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+        k1 = _load_tile(k1_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        k2 = _load_tile(k2_src + k_offs, offs_n, TK, offs_d, D, CAUSAL_MASK, D != BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    x1 = _mma(q1, tl.trans(k1), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
+    x2 = _mma(q2, tl.trans(k2), None, PRECISION, UPCAST) * scale - tau[:, None]  # (BLOCK_M, BLOCK_N)
     if CAUSAL_MASK:
         visible = offs_n[None, :] <= pos[:, None]
-        if MAP != 2:
-            x1 = tl.where(visible, x1, 0.0)
-        if MAP != 1:
-            x2 = tl.where(visible, x2, 0.0)
-    if MAP == 1:
-        k2 = k1
-        x2 = x1
-    if MAP == 2:
-        k1 = k2
-        x1 = x2
+        x1 = tl.where(visible, x1, 0.0)
+        x2 = tl.where(visible, x2, 0.0)
     return k1, k2, x1, x2
 
 
@@ -416,32 +401,20 @@ def _diff_bwd_dq_update(
     DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, USE_TMA: tl.constexpr,
-    MAP: tl.constexpr,
 ):
     """dQ1, dQ2 accumulators and per-row dbeta / dlambda sums after one (query tile, key tile) pair
     with scores x1, x2 (BLOCK_M, BLOCK_N); V is loaded only here, when needed. With ROW_SCALE, the rows
-    of dS1 and dS2 are multiplied by ds1_mul and ds2_mul (BLOCK_M,) before the cast (not in the sums).
-    MAP 1: dQ1 and dS1's dbeta terms alone; MAP 2: dQ2, dS2's dbeta terms and the dlambda terms."""
+    of dS1 and dS2 are multiplied by ds1_mul and ds2_mul (BLOCK_M,) before the cast (not in the sums)."""
     v = _seq_tile(v_src, b, hk, start_n, stride_vt, stride_vd, TK, DV, BLOCK_N, BLOCK_DV, CHECK_ROWS, USE_TMA)  # (BLOCK_N, BLOCK_DV)
     dp = _mma(do, tl.trans(v), None, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
-    if MAP != 1:
-        p2 = _rectify(x2, power, POWER_MODE)
-    if MAP != 2:
-        ds1 = dp * _rectify_slope(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)  # dS1 / p
-    if MAP != 1:
-        ds2 = -lam * dp * _rectify_slope(x2, p2, power, POWER_MODE)  # dS2 / p
-    if MAP != 2:
-        dq1 = _dot_rows(ds1, ds1_mul, k1, dq1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
-    if MAP != 1:
-        dq2 = _dot_rows(ds2, ds2_mul, k2, dq2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    p2 = _rectify(x2, power, POWER_MODE)
+    ds1 = dp * _rectify_slope(x1, _rectify(x1, power, POWER_MODE), power, POWER_MODE)  # dS1 / p
+    ds2 = -lam * dp * _rectify_slope(x2, p2, power, POWER_MODE)  # dS2 / p
+    dq1 = _dot_rows(ds1, ds1_mul, k1, dq1, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
+    dq2 = _dot_rows(ds2, ds2_mul, k2, dq2, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST)  # (BLOCK_M, BLOCK_D)
     if BETA_GRAD:
-        if MAP == 0:
-            ds_sum += tl.sum(ds1 + ds2, axis=1)
-        elif MAP == 1:
-            ds_sum += tl.sum(ds1, axis=1)
-        else:
-            ds_sum += tl.sum(ds2, axis=1)
-    if LAM_GRAD and MAP != 1:
+        ds_sum += tl.sum(ds1 + ds2, axis=1)
+    if LAM_GRAD:
         dlam_sum += tl.sum(dp * p2, axis=1)
     return dq1, dq2, ds_sum, dlam_sum
 
@@ -453,23 +426,22 @@ def _diff_bwd_dq_inner(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr,
-    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr, MAP: tl.constexpr,
+    SKIP_ZERO: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         k1, k2, x1, x2 = _key_tiles_and_scores(q1, q2, tau, pos, k1_src, k2_src, b, hk, start_n, stride_kt, stride_kd,
-                                               TK, scale, D, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION, UPCAST, USE_TMA,
-                                               MAP)
+                                               TK, scale, D, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION, UPCAST, USE_TMA)
         if SKIP_ZERO:
-            if _any_live(x1) | _any_live(x2):  # the one map twice with MAP 1 or 2
+            if _any_live(x1) | _any_live(x2):
                 dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
                     dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, start_n, v_src, b, hk,
                     stride_vt, stride_vd, TK, power, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                    FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA, MAP)
+                    FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA)
         else:
             dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_update(
                 dq1, dq2, ds_sum, dlam_sum, x1, x2, lam, do, k1, k2, ds1_mul, ds2_mul, start_n, v_src, b, hk,
                 stride_vt, stride_vd, TK, power, DV, BLOCK_N, BLOCK_DV, CAUSAL_MASK, POWER_MODE, ROW_SCALE,
-                FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA, MAP)
+                FP16_RANGE, PRECISION, UPCAST, BETA_GRAD, LAM_GRAD, USE_TMA)
     return dq1, dq2, ds_sum, dlam_sum
 
 
@@ -486,13 +458,12 @@ def diff_threshold_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, ROW_SCALE: tl.constexpr, FP16_RANGE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BETA_GRAD: tl.constexpr, LAM_GRAD: tl.constexpr, SKIP_ZERO: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False, MAP: tl.constexpr = 0,
+    USE_TMA: tl.constexpr = False,
 ):
     """One program: dQ1, dQ2 of BLOCK_M queries of one (batch, head), and their per-row terms
     -gain_i sum_j (dS1 + dS2)_ij into DBETA_ROWS and -sum_j dP_ij ReLU(x2_ij)^p into DLAM_ROWS
     (both (B * H, TQ) fp32, summed on the host; from unscaled dS1, dS2, dP). Grid (cdiv(TQ, BLOCK_M), B * H).
-    MAP 1: dQ1 and the dS1 terms alone (map 2 not read); MAP 2: dQ2, the dS2 terms and DLAM_ROWS (map 1 not
-    read; bwd_dq2 in the configs). USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors.
+    USE_TMA: Q1, Q2, K1, K2, V, dO are tensor descriptors.
     ROW_SCALE (fp16, p >= 1): dS1 and dS2 rows scaled into fp16's range by a power of two per row each,
     from the norms ROW_NORMS (B * H / GROUP, 3, TK) fp32, |k1_j|, |k2_j| then |v_j| (unused otherwise);
     FP16_RANGE (fp16, p < 1): per-tile scaling instead."""
@@ -508,16 +479,10 @@ def diff_threshold_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     start_m = pid_m * BLOCK_M
-    if MAP != 2:
-        q1 = _seq_tile(_head_src(Q1, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
-                       BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
-    if MAP != 1:
-        q2 = _seq_tile(_head_src(Q2, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
-                       BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
-    if MAP == 1:  # the other map is not read
-        q2 = q1
-    if MAP == 2:
-        q1 = q2
+    q1 = _seq_tile(_head_src(Q1, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
+                   BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    q2 = _seq_tile(_head_src(Q2, b, h, stride_qb, stride_qh, USE_TMA), b, h, start_m, stride_qt, stride_qd, TQ, D,
+                   BLOCK_M, BLOCK_D, True, USE_TMA)  # (BLOCK_M, BLOCK_D)
     do = _seq_tile(_head_src(dO, b, h, stride_dob, stride_doh, USE_TMA), b, h, start_m, stride_dot, stride_dod, TQ,
                    DV, BLOCK_M, BLOCK_DV, True, USE_TMA)  # (BLOCK_M, BLOCK_DV)
     pos = offs_m + past
@@ -537,19 +502,13 @@ def diff_threshold_bwd_dq_kernel(
     if ROW_SCALE:
         norms = ROW_NORMS + (b * (H // GROUP) + hk) * 3 * TK  # |k1_j|, |k2_j| then |v_j| of this kv head
         neg_tau = tl.maximum(-tau, 0.0)
-        if MAP != 2:  # (the statements in the order of MAP 0's, which both maps' launch compiles as before)
-            base1 = tl.abs(scale) * _row_norms(q1) * _finite_max(norms, 0, n_end) + neg_tau  # (BLOCK_M,) >= every x1 of the row
-        if MAP != 1:
-            base2 = tl.abs(scale) * _row_norms(q2) * _finite_max(norms + TK, 0, n_end) + neg_tau  # (BLOCK_M,)
+        base1 = tl.abs(scale) * _row_norms(q1) * _finite_max(norms, 0, n_end) + neg_tau  # (BLOCK_M,) >= every x1 of the row
+        base2 = tl.abs(scale) * _row_norms(q2) * _finite_max(norms + TK, 0, n_end) + neg_tau  # (BLOCK_M,)
         log2_dp = tl.log2(_row_norms(do)) + tl.log2(_finite_max(norms + 2 * TK, 0, n_end))  # (BLOCK_M,) >= log2 |dP_ij|
-        if MAP != 2:
-            ds1_exp = _fp16_exp(_log2_grad_bound(base1, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
-        if MAP != 1:
-            ds2_exp = _fp16_exp(tl.log2(tl.abs(lam)) + _log2_grad_bound(base2, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
-        if MAP != 2:
-            ds1_mul = tl.exp2(-ds1_exp)
-        if MAP != 1:
-            ds2_mul = tl.exp2(-ds2_exp)
+        ds1_exp = _fp16_exp(_log2_grad_bound(base1, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
+        ds2_exp = _fp16_exp(tl.log2(tl.abs(lam)) + _log2_grad_bound(base2, log2_dp, power, POWER_MODE))  # (BLOCK_M,)
+        ds1_mul = tl.exp2(-ds1_exp)
+        ds2_mul = tl.exp2(-ds2_exp)
     dq1 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq2 = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     ds_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -558,26 +517,23 @@ def diff_threshold_bwd_dq_kernel(
         dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_src, k2_src, v_src, b, hk,
         stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, 0, n_full,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST,
-        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA, MAP)
+        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA)
     dq1, dq2, ds_sum, dlam_sum = _diff_bwd_dq_inner(
         dq1, dq2, ds_sum, dlam_sum, q1, q2, do, tau, lam, ds1_mul, ds2_mul, pos, k1_src, k2_src, v_src, b, hk,
         stride_kt, stride_kd, stride_vt, stride_vd, TK, scale, power, n_full, n_end,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, POWER_MODE, ROW_SCALE, FP16_RANGE, PRECISION, UPCAST,
-        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA, MAP)
-    if ROW_SCALE and MAP != 2:
+        BETA_GRAD, LAM_GRAD, SKIP_ZERO, USE_TMA)
+    if ROW_SCALE:
         dq1 = dq1 * tl.exp2(ds1_exp)[:, None]
-    if ROW_SCALE and MAP != 1:
         dq2 = dq2 * tl.exp2(ds2_exp)[:, None]
 
     dq_offs = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
-    if MAP != 2:
-        _store_tile(dQ1 + dq_offs, (dq1 * (scale * power)).to(dQ1.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
-    if MAP != 1:
-        _store_tile(dQ2 + dq_offs, (dq2 * (scale * power)).to(dQ2.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    _store_tile(dQ1 + dq_offs, (dq1 * (scale * power)).to(dQ1.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
+    _store_tile(dQ2 + dq_offs, (dq2 * (scale * power)).to(dQ2.dtype.element_ty), offs_m, TQ, offs_d, D, D != BLOCK_D)
     row = pid_bh.to(tl.int64) * TQ + offs_m
     if BETA_GRAD:
         tl.store(DBETA_ROWS + row, -(gain * power) * ds_sum, mask=offs_m < TQ)
-    if LAM_GRAD and MAP != 1:
+    if LAM_GRAD:
         tl.store(DLAM_ROWS + row, -dlam_sum, mask=offs_m < TQ)
 
 
@@ -592,7 +548,8 @@ def default_diff_configs(head_dim: int, dtype: torch.dtype, large: bool = True) 
     timed afterwards, is 1.03-1.32x faster than two single calls forward+backward, but 0.63-0.81x at fp16
     D = 128, whose backward then kept the per-tile fp16 rescaling); fp16 re-swept with the row scales
     (PERF.md v7: three kernels changed); for large calls (large_call), tiles with TMA loads where an H100 sweep
-    at T = 4096 and 16384 found them >= 3% faster (PERF.md v25; at T = 1024 they took 1-4% longer). fp32 and
+    at T = 4096 and 16384 found them >= 3% faster (PERF.md v25; at T = 1024 they took 1-4% longer), and at
+    D = 128 dK/dV in two launches that read one map each (split_maps, PERF.md v26). fp32 and
     D > 128: small-tile starting points, not tuned. Small tiles under the interpreter."""
     return _default_diff_configs(head_dim, dtype, triton_interpreting(), large)
 
@@ -617,14 +574,19 @@ def _default_diff_configs(head_dim: int, dtype: torch.dtype, interpreting: bool,
     if head_dim > 64:  # the H200 sweep at T = 4096 (ms of the forward / of the whole backward, each kernel
         # timed with the others at the previous default; lit_thresh/ops/PERF.md, v3); large calls from v25's H100
         # sweep (ms of the whole backward at T = 4096 / 16384, the other tile's in brackets)
+        if large:  # dK/dV in two launches that read one map each (PERF.md v26, one H100: the whole backward
+            # bf16 3.35 / 11.77 ms against 3.87 / 13.77, fp16 4.12 / 13.10 against 4.64 / 15.79; 64x64 w8 s3 1.25-1.33x)
+            split = BlockConfig(64, 128, 8, 3, tma=True)
+            dkv = {"bwd_dkv": split, "bwd_dk2": split, "split_maps": True}
+        else:  # dK2 in a second launch (PERF.md v20, one H100): bf16 forward+backward 0.963-0.969x the time of
+            # one dK/dV launch; fp16 0.986-0.989x, under the 3% rule, so one launch
+            dkv = {"bwd_dkv": BlockConfig(32, 64, 4, 2),  # bf16 4.41; fp16 5.45 in v7's sweep (64x64 w8 s2: 6.26)
+                   "bwd_dk2": None if fp16 else BlockConfig(64, 128, 8, 2)}
         return KernelConfigs(
-            BlockConfig(128, 64, 8, 3),  # bf16 0.883, fp16 1.110 (64x64 w8 s3: 1.711, 2.043)
-            BlockConfig(32, 64, 4, 2),  # bf16 4.41; fp16 5.45 in v7's sweep (64x64 w8 s2: 6.26)
-            BlockConfig(128, 64, 8, 2, tma=True) if fp16_large  # 4.679 / 15.934 (64x32 w4 s2: 4.809 / 17.359)
+            fwd=BlockConfig(128, 64, 8, 3),  # bf16 0.883, fp16 1.110 (64x64 w8 s3: 1.711, 2.043)
+            bwd_dq=BlockConfig(128, 64, 8, 2, tma=True) if fp16_large  # 4.679 / 15.934 (64x32 w4 s2: 4.809 / 17.359)
             else BlockConfig(64, 32, 4, 2) if fp16 else BlockConfig(128, 32, 8, 3),  # fp16 8.71, bf16 6.01
-            # dK2 in a second launch (PERF.md v20, one H100): bf16 forward+backward 0.963-0.969x the time of one
-            # dK/dV launch; fp16 0.986-0.989x, under the 3% rule, so one launch
-            None if fp16 else BlockConfig(64, 128, 8, 2),
+            **dkv,
         )
     # v3 and v7 (ms at T = 4096); large calls from v25 (ms at T = 4096 / 16384, the other tile's in brackets;
     # the forward's alone, the whole backward's)
@@ -795,8 +757,7 @@ def diff_triton_backward(
     parts = (((cfgs.bwd_dkv, 0),) if cfgs.bwd_dk2 is None  # dK1, dK2 and dV in one launch; else two:
              else ((cfgs.bwd_dkv, 3), (cfgs.bwd_dk2, 4)) if cfgs.split_maps  # one map each
              else ((cfgs.bwd_dkv, 1), (cfgs.bwd_dk2, 2)))  # dK1 and dV, then dK2
-    dq_parts = ((cfgs.bwd_dq, 0),) if cfgs.bwd_dq2 is None else ((cfgs.bwd_dq, 1), (cfgs.bwd_dq2, 2))  # one map each
-    block_m = max(cfg.block_m for cfg, _ in parts + dq_parts)
+    block_m = max(cfgs.bwd_dq.block_m, *(cfg.block_m for cfg, _ in parts))
     gains = gain_table(q1.device, d, tk + block_m)  # (>= Tk + BLOCK_M,)
     dq1, dq2 = torch.empty_like(q1), torch.empty_like(q1)
     dk1, dk2, dval = torch.empty_like(k1), torch.empty_like(k1), torch.empty_like(v)
@@ -808,7 +769,7 @@ def diff_triton_backward(
     else:
         qdo_norms = kv_norms = beta
     inputs, cols = (q1, q2, k1, k2, v, dout), (bd, bd, bd, bd, bdv, bdv)
-    for cfg, part in parts:  # all three gradients in one launch, or dK1 and dV, then dK2
+    for cfg, part in parts:
         bm, bn = cfg.block_m, cfg.block_n
         srcs, use_tma = _sources(cfg, inputs, (bm, bm, bn, bn, bn, bm), cols)
         _BWD_DKV(
@@ -818,19 +779,17 @@ def diff_triton_backward(
             _kernel_meta(cfg, q1, d, dv, power, False, USE_TMA=use_tma), PART=part,
         )
 
-    dbeta_rows = (  # (launches, B, Hq, Tq): each dQ launch's dbeta terms; dq1: a placeholder the kernel does not touch
-        torch.empty(len(dq_parts), b, hq, tq, device=q1.device, dtype=torch.float32) if need_dbeta else None)
-    dlam_rows = torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need_dlam else dq1  # (B, Hq, Tq)
-    for i, (cfg, part) in enumerate(dq_parts):  # dQ1 and dQ2 in one launch, or one map each
-        bm, bn = cfg.block_m, cfg.block_n
-        srcs, use_tma = _sources(cfg, inputs, (bm, bm, bn, bn, bn, bm), cols)
-        _BWD_DQ(
-            (-(-tq // bm), b * hq),
-            (*srcs, dq1, dq2, dq1 if dbeta_rows is None else dbeta_rows[i], dlam_rows, beta, gains, lam, kv_norms),
-            (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(), hq, hq // hkv, *scalars),
-            _kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam, USE_TMA=use_tma),
-            MAP=part,
-        )
-    dbeta = dbeta_rows.sum(dim=(0, 1, 3)).to(beta.dtype) if need_dbeta else None  # (Hq,)
+    cfg = cfgs.bwd_dq
+    dbeta_rows, dlam_rows = (  # (B, Hq, Tq) each; dq1: a placeholder the kernel does not touch
+        torch.empty(b, hq, tq, device=q1.device, dtype=torch.float32) if need else dq1 for need in (need_dbeta, need_dlam)
+    )
+    bm, bn = cfg.block_m, cfg.block_n
+    srcs, use_tma = _sources(cfg, inputs, (bm, bm, bn, bn, bn, bm), cols)
+    _BWD_DQ(
+        (-(-tq // bm), b * hq), (*srcs, dq1, dq2, dbeta_rows, dlam_rows, beta, gains, lam, kv_norms),
+        (*q1.stride(), *k1.stride(), *v.stride(), *dout.stride(), *dq1.stride(), hq, hq // hkv, *scalars),
+        _kernel_meta(cfg, q1, d, dv, power, False, BETA_GRAD=need_dbeta, LAM_GRAD=need_dlam, USE_TMA=use_tma),
+    )
+    dbeta = dbeta_rows.sum(dim=(0, 2)).to(beta.dtype) if need_dbeta else None  # (Hq,)
     dlam = dlam_rows.sum(dim=(0, 2)).to(lam.dtype) if need_dlam else None  # (Hq,)
     return dq1, dq2, dk1, dk2, dval, dbeta, dlam

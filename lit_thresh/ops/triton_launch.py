@@ -49,16 +49,13 @@ class KernelConfigs:
     """One config per kernel. bwd_dk2 (the differential op only): None, or the tiles of a second dK/dV
     launch that computes dK2 alone, the first (bwd_dkv) then computing dK1 and dV: two lighter kernels instead
     of one with three accumulators. split_maps (with bwd_dk2): each launch reads one map, as a single op's
-    dK/dV kernel does: the first dK1 and map 1's term of dV, the second dK2 and map 2's, added to the first's.
-    bwd_dq2: None, or the tiles of a second dQ launch: the first (bwd_dq) then computes dQ1 from map 1, the
-    second dQ2 and lambda's rows from map 2."""
+    dK/dV kernel does: the first dK1 and map 1's term of dV, the second dK2 and map 2's, added to the first's."""
 
     fwd: BlockConfig
     bwd_dkv: BlockConfig
     bwd_dq: BlockConfig
     bwd_dk2: BlockConfig | None = None
     split_maps: bool = False
-    bwd_dq2: BlockConfig | None = None
 
 
 SHORT_KEYS = (1024, 2048)

@@ -284,13 +284,12 @@ def test_skip_zero_tiles_change_nothing(device):
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype,power,skip", [(torch.float32, 2.0, False), (torch.float16, 2.0, False),
                                               (torch.float16, 0.5, False), (torch.bfloat16, 1.0, True)], ids=str)
-def test_backward_in_more_launches_matches_one_launch_and_the_reference(device, dtype, power, skip):
+def test_dk_dv_in_two_launches_matches_one_launch_and_the_reference(device, dtype, power, skip):
     """KernelConfigs.bwd_dk2: the dK/dV kernel runs twice, dK1 and dV at bwd_dkv's tiles, then dK2 at bwd_dk2's;
-    with split_maps, dK1 and map 1's term of dV, then dK2 and map 2's term added. bwd_dq2: the dQ kernel runs
-    twice, dQ1 from map 1, then dQ2 and dlambda from map 2. At the same tiles every gradient equals the single
-    launches' bit for bit, except the one summed across launches (dV with split_maps, rounded once more; dbeta
-    with bwd_dq2); at other tiles every gradient matches the float64 reference. GQA, odd lengths, Tq < Tk,
-    Dv != D; fp16 with row scales (p = 2) and per tile (p < 1)."""
+    with split_maps, dK1 and map 1's term of dV, then dK2 and map 2's term added. At the same tiles every gradient
+    equals the single launch's bit for bit, except split_maps' dV (rounded once more); at other tiles every
+    gradient matches the float64 reference. GQA, odd lengths, Tq < Tk, Dv != D; fp16 with row scales (p = 2) and
+    per tile (p < 1)."""
     gen = generator("diff_dk2_split", device, dtype, power, skip)
     b, hq, hkv, tq, tk, d, dv = 1, 4, 2, 29, 45, 24, 40
     (q1, q2, k1, k2, v), beta, lam = make_inputs(gen, device, dtype, b, hq, hkv, tq, tk, d, dv, "per_head", "per_head")
@@ -298,19 +297,18 @@ def test_backward_in_more_launches_matches_one_launch_and_the_reference(device, 
     dout = randn(gen, b, hq, tq, dv, dtype=dtype, device=device)
     tile, other = BlockConfig(16, 16, skip_zero=skip), BlockConfig(32, 16, skip_zero=skip)
 
-    def grads(dk2_tile, split_maps=False, dq2_tile=None):
-        cfgs = KernelConfigs(tile, tile, tile, dk2_tile, split_maps, dq2_tile)
+    def grads(dk2_tile, split_maps=False):
+        cfgs = KernelConfigs(tile, tile, tile, dk2_tile, split_maps)
         return diff_triton_backward(q1, q2, k1, k2, v, beta, lam, power, 0.7, dout, True, True, cfgs)
 
     one = grads(None)
-    for args, summed in (((tile,), ()), ((tile, True), ("dv",)), ((None, False, tile), ("dbeta",)),
-                         ((tile, True, tile), ("dv", "dbeta"))):
-        for name, a, c in zip(GRADS, one, grads(*args)):
-            assert torch.equal(a, c) or name in summed, (args, name)
+    for split_maps in (False, True):
+        for name, a, c in zip(GRADS, one, grads(tile, split_maps)):
+            assert torch.equal(a, c) or (split_maps and name == "dv"), (split_maps, name)
     wrt = [t.double().requires_grad_() for t in (q1, q2, k1, k2, v, beta, lam)]
     ref_grads = torch.autograd.grad(differential_reference(*wrt, power, 0.7), wrt, dout.double())
     grad_tol = (SUBLINEAR_GRAD_TOLERANCE if power < 1 else TOLERANCE)[dtype]
-    for split in (grads(other), grads(other, True), grads(tile, True, other), grads(None, False, other)):
+    for split in (grads(other), grads(other, True)):
         for i, name in enumerate(GRADS):  # dq1, dq2, dk1, dk2, dv, dbeta, dlam: the inputs' order
             floor = rel_err(ref_grads[i].to(split[i].dtype), ref_grads[i])
             assert rel_err(split[i], ref_grads[i]) < grad_tol + floor, name
@@ -525,15 +523,15 @@ def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code the compiler rejects: compile each kernel for sm_90 down to a cubin, in a
     process without TRITON_INTERPRET (no GPU needed), with its default tiles (large calls'; small calls' where
     they differ) at head dims where they are largest (the shared memory must fit an H200's 227 KiB), through
-    pointers (the fallback of layouts TMA cannot read) and, for three of the large calls' TMA tiles and the
-    launches that read one map (split_maps, bwd_dq2), through tensor descriptors, with the constexprs the
-    launchers pass. fp16:
+    pointers (the fallback of layouts TMA cannot read) and, for four of the large calls' TMA tiles (D = 128's
+    dK/dV in both launches that read one map), through tensor descriptors, with the constexprs the launchers pass.
+    fp16:
     every kernel row-scaled (ROW_SCALE) in each power mode, and the backward's per-tile path of p < 1
     (FP16_RANGE). fp64 float scalars as torch.compile passes them."""
     script = textwrap.dedent(
         """
         import torch
-        from lit_thresh.ops import triton_differential as td, triton_launch as tl
+        from lit_thresh.ops import triton_differential as td
         from tests.ops.sm90 import compile_for_sm90, descriptor_blocks
 
         cases = [("diff_threshold_fwd_kernel", "fwd", "fp16", torch.float16, 256, 256, 1.5, False),
@@ -546,18 +544,25 @@ def test_kernels_compile_for_hopper(tmp_path):
                   for p in (1.0, 2.0, 1.5, 0.5)]
         cases += [("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, p, False)
                   for p in (1.0, 1.5, 0.5)]
+        cases += [("diff_threshold_bwd_dkv_kernel", "bwd_dk2", "fp16", torch.float16, 128, 128, p, False)
+                  for p in (2.0, 0.5)]
         cases += [("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "bf16", torch.bfloat16, 128, 128, 2.0, True),
                   ("diff_threshold_bwd_dkv_kernel", "bwd_dk2", "bf16", torch.bfloat16, 128, 128, 2.0, False)]
+        # small calls' tiles where they differ from the large calls': dQ, and D = 128's dK/dV (bf16 in two launches)
         cases += [("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, p, False, False)
-                  for p in (2.0, 0.5)]  # small calls' dQ tile (the other kernels' tiles are the large calls')
-        parts = {"bwd_dk2": 2}  # bf16 D = 128 computes dK2 in a second launch (bwd_dk2); bwd_dkv then computes the rest
+                  for p in (2.0, 0.5)]
+        cases += [("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "fp16", torch.float16, 128, 128, p, False, False)
+                  for p in (2.0, 0.5)]
+        cases += [("diff_threshold_bwd_dkv_kernel", which, "bf16", torch.bfloat16, 128, 128, 2.0, False, False)
+                  for which in ("bwd_dkv", "bwd_dk2")]
 
-        def compile_case(name, which, dtype, torch_dtype, d, dv, power, skip, large=True, tma=False, cfg=None, one=0):
-            cfg = cfg or getattr(td.default_diff_configs(max(d, dv), torch_dtype, large), which)
-            flags = (("BETA_GRAD", True), ("LAM_GRAD", True), ("MAP", one)) if which == "bwd_dq" else ()
-            if which.startswith("bwd_dk"):
-                split = td.default_diff_configs(max(d, dv), torch_dtype).bwd_dk2 is not None
-                flags = (("PART", one or (parts.get(which, 1) if split else 0)),)
+        def compile_case(name, which, dtype, torch_dtype, d, dv, power, skip, large=True, tma=False):
+            cfgs = td.default_diff_configs(max(d, dv), torch_dtype, large)
+            cfg = getattr(cfgs, which)
+            flags = (("BETA_GRAD", True), ("LAM_GRAD", True)) if which == "bwd_dq" else ()
+            if which.startswith("bwd_dk"):  # the PART diff_triton_backward launches
+                first, second = (3, 4) if cfgs.split_maps else (1, 2)
+                flags = (("PART", 0 if cfgs.bwd_dk2 is None else second if which == "bwd_dk2" else first),)
             descriptors = None
             if tma:  # the inputs as descriptors of the blocks the launchers make
                 assert cfg.tma, (name, dtype, d)
@@ -576,12 +581,9 @@ def test_kernels_compile_for_hopper(tmp_path):
         compile_case("diff_threshold_fwd_kernel", "fwd", "fp16", torch.float16, 64, 64, 2.0, False, tma=True)
         compile_case("diff_threshold_bwd_dkv_kernel", "bwd_dkv", "bf16", torch.bfloat16, 64, 64, 2.0, False, tma=True)
         compile_case("diff_threshold_bwd_dq_kernel", "bwd_dq", "fp16", torch.float16, 128, 128, 2.0, False, tma=True)
-        # the launches that read one map (split_maps' dK/dV: PART 3 and 4; bwd_dq2's dQ: MAP 1 and 2) at the single
-        # op's long-map tiles, with TMA
-        single = tl.default_configs(128, torch.float16)
-        for which, one in (("bwd_dkv", 3), ("bwd_dkv", 4), ("bwd_dq", 1), ("bwd_dq", 2)):
-            compile_case(f"diff_threshold_{which}_kernel", which, "fp16", torch.float16, 128, 128, 2.0, False,
-                         tma=True, cfg=getattr(single, which), one=one)
+        for which in ("bwd_dkv", "bwd_dk2"):  # D = 128's two dK/dV launches that read one map each
+            compile_case("diff_threshold_bwd_dkv_kernel", which, "bf16", torch.bfloat16, 128, 128, 2.0, False, tma=True)
+            compile_case("diff_threshold_bwd_dkv_kernel", which, "fp16", torch.float16, 128, 128, 2.0, False, tma=True)
         print("compiled")
         """
     )
