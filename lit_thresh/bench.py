@@ -592,7 +592,7 @@ def _sweep_call(op: str, kernel: str, cfg, x: dict[str, torch.Tensor], large: bo
 def _sweep_configs(op: str, kernel: str, d: int, dtype: torch.dtype, t: int, large: bool = True) -> list:
     """The default at length t (the differential op's: of its large calls where large) first, the default with
     skip_zero, then SWEPT_OPS[op][kernel], each with and without TMA loads; none where the default has no such
-    kernel (bwd_dk2 outside bf16 D = 128)."""
+    kernel (bwd_dk2 at D <= 64, and in fp16 D = 128's small calls)."""
     from lit_thresh.ops.triton_differential import default_diff_configs
     from lit_thresh.ops.triton_launch import BlockConfig, default_configs
 
