@@ -10,14 +10,12 @@ versions interleaved, their order reversed every other round, ms:
     PYTHONPATH=$PWD/.ab:$PYTHONPATH python results/diff_tma_ab.py main,new [T,T,...: these lengths only]
 """
 
-import concurrent.futures
 import importlib
-import multiprocessing
 import statistics
-import sys
 
 import torch
-import triton
+
+from ab import command_line, compiled_versions, interleaved, rel, spread
 
 TOKENS, H, ROUNDS = 16384, 16, 5
 SEQ_LENS = (1024, 2048, 4096, 16384)
@@ -63,35 +61,22 @@ def warm(task) -> None:
     torch.cuda.synchronize()
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def spread(ts: list[float]) -> str:
-    return f"{statistics.median(ts):7.3f} [{min(ts):.3f} - {max(ts):.3f}]"
-
-
 def main(names: list[str], seq_lens: tuple[int, ...] = SEQ_LENS) -> None:
     points = [point for point in POINTS if point[2] in seq_lens]
-    versions = {name: importlib.import_module(f"lit_thresh_{name}.ops") for name in names}
-    tasks = [(name, *point) for name in names for point in points]
-    with concurrent.futures.ProcessPoolExecutor(16, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(warm, tasks))
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: compiled {len(tasks)} points", flush=True)
+    ops_of = compiled_versions(names, points, warm)
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: compiled {len(names) * len(points)} points",
+          flush=True)
     base, new = names
     for dtype_name, d, t in points:
         x, dout = inputs(getattr(torch, dtype_name), d, t, TOKENS // t)
-        runs = {name: calls(ops, x, dout, d) for name, ops in versions.items()}
+        runs = {name: calls(ops, x, dout, d) for name, ops in ops_of.items()}
         got = {name: [run["forward"](), *[g.grad for g in run["forward+backward"]()]] for name, run in runs.items()}
         worst = max(rel(a, b) for a, b in zip(got[new], got[base]))
         print(f"\n{dtype_name} D={d} T={t}: {new} against {base}, largest relative error norm of the output and the "
               f"7 gradients {worst:.1e}", flush=True)
         timed = {(name, case): fn for name, run in runs.items() for case, fn in run.items()
                  if name == new or not case.startswith("two")}
-        times = {key: [] for key in timed}
-        for r in range(ROUNDS):
-            for key in (list(timed) if r % 2 == 0 else list(timed)[::-1]):
-                times[key].append(triton.testing.do_bench(timed[key], warmup=25, rep=100))
+        times = interleaved(timed, ROUNDS)
         for case in ("forward", "forward+backward"):
             ratio = statistics.median(times[(base, case)]) / statistics.median(times[(new, case)])
             print(f"  {case:18s} {base} {spread(times[(base, case)])}  {new} {spread(times[(new, case)])}  "
@@ -103,5 +88,4 @@ def main(names: list[str], seq_lens: tuple[int, ...] = SEQ_LENS) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["main", "new"],
-         tuple(map(int, sys.argv[2].split(","))) if len(sys.argv) > 2 else SEQ_LENS)
+    main(*command_line(SEQ_LENS))
