@@ -16,7 +16,6 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from jsonargparse import lazy_instance
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary, ProgressBar
@@ -150,7 +149,10 @@ class LitThreshCLI(CkptPathCLI):
             parser.add_argument(
                 f"--{key}",
                 type=callback | None,
-                default=lazy_instance(callback, **init_args),
+                # a class_path spec, not jsonargparse.lazy_instance, which walks inspect.stack() in each of its
+                # 40 calls per command (10 callbacks, 4 subcommands): seconds inside a deep stack such as pytest's
+                default={"class_path": f"{callback.__module__}.{callback.__qualname__}"} | (
+                    {"init_args": init_args} if init_args else {}),
                 help=f"{callback.__name__} ({callback.__module__}); null: off",
             )
         parser.add_class_arguments(ModelCheckpoint, "checkpoint")

@@ -1,5 +1,5 @@
-"""Kernels compiled for sm_90 without a GPU (Triton's ASTSource down to a cubin), with the argument types a
-launch gives them. The compile tests call compile_for_sm90 in a process without TRITON_INTERPRET
+"""Kernels compiled for sm_90 without a GPU (Triton's ASTSource down to a cubin, or to PTX only), with the argument
+types a launch gives them. The compile tests call compile_for_sm90 in a process without TRITON_INTERPRET
 (run_without_interpreter); results/fp16_forward_sass.py disassembles what it returns."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -21,15 +22,25 @@ POINTER_TYPES = {  # the kernels' pointer arguments that are not inputs or outpu
 }
 
 
+def stop_at_ptx(backend=None, stages=None, options=None, language=None, capability=None):
+    """A knobs.runtime.add_stages_inspection_hook that leaves ptxas out: the cubin stage returns no bytes. Triton
+    calls it without arguments for its part of the cache key, then with the backend's stages."""
+    if stages is None:
+        return "stop_at_ptx", "stop_at_ptx"
+    stages["cubin"] = lambda src, metadata: b""
+
+
 def compile_for_sm90(kernel, constexprs: dict, element_type: str, float_type: str = "fp64", specialise: bool = False,
-                     descriptors: dict[str, tuple[int, ...]] | None = None, **options):
+                     descriptors: dict[str, tuple[int, ...]] | None = None, assemble: bool = True, **options):
     """kernel (a triton.jit function) compiled for sm_90. Its arguments: the constexprs it takes from
     `constexprs`; pointers (every argument before the first stride_) typed by POINTER_TYPES, else pointers to
     element_type ("bf16", "fp16", "fp32"); scale and power float_type ("fp64": torch.compile passes Python floats
     so); other ints i32. specialise: as a launch on 16-byte-aligned tensors with unit last strides specialises
     them (pointers and the other strides divisible by 16, each last stride the constexpr 1). descriptors: the
     inputs passed as TMA tensor descriptors (USE_TMA), by argument name, with their block shapes (1, 1, rows,
-    cols), as triton_launch._sources makes them. options: Triton's compile options (num_warps, num_stages)."""
+    cols), as triton_launch._sources makes them. assemble: False stops at PTX (no ptxas, about 40% of a large
+    kernel's compile time; the result then holds no cubin). options: Triton's compile options (num_warps,
+    num_stages)."""
     consts = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     n_ptr = next(i for i, arg in enumerate(kernel.arg_names) if arg.startswith("stride_"))
     sig, attrs = {}, {}
@@ -48,8 +59,13 @@ def compile_for_sm90(kernel, constexprs: dict, element_type: str, float_type: st
             sig[arg] = float_type if arg in ("scale", "power") else "i32"
             if specialise and arg.startswith("stride_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
+    hook, knobs.runtime.add_stages_inspection_hook = knobs.runtime.add_stages_inspection_hook, (
+        None if assemble else stop_at_ptx)
+    try:
+        return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    finally:
+        knobs.runtime.add_stages_inspection_hook = hook
 
 
 def descriptor_blocks(kernel, block_m: int, block_n: int, block_d: int, block_dv: int) -> dict[str, tuple[int, ...]]:
