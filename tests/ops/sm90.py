@@ -59,13 +59,14 @@ def compile_for_sm90(kernel, constexprs: dict, element_type: str, float_type: st
             sig[arg] = float_type if arg in ("scale", "power") else "i32"
             if specialise and arg.startswith("stride_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    hook, knobs.runtime.add_stages_inspection_hook = knobs.runtime.add_stages_inspection_hook, (
-        None if assemble else stop_at_ptx)
+    hook, cache = knobs.runtime.add_stages_inspection_hook, knobs.cache.dir
+    if not assemble:  # Triton 3.6 leaves the hook out of its cache key: PTX-only kernels get a cache of their own
+        knobs.runtime.add_stages_inspection_hook, knobs.cache.dir = stop_at_ptx, os.path.join(cache, "ptx_only")
     try:
         return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     finally:
-        knobs.runtime.add_stages_inspection_hook = hook
+        knobs.runtime.add_stages_inspection_hook, knobs.cache.dir = hook, cache
 
 
 def descriptor_blocks(kernel, block_m: int, block_n: int, block_d: int, block_dv: int) -> dict[str, tuple[int, ...]]:

@@ -575,10 +575,11 @@ def test_kernels_compile_for_hopper(tmp_path):
             flags += (("USE_TMA", tma),)
             meta = td._meta(td.BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, skip), d, dv, power,
                             torch_dtype, "tf32" if dtype == "fp32" else "ieee", False, which == "fwd", flags)
-            compiled = compile_for_sm90(getattr(td, name), meta, dtype, descriptors=descriptors,
-                                        assemble=kind not in assembled, num_warps=cfg.num_warps,
-                                        num_stages=cfg.num_stages)
+            assemble = kind not in assembled
+            compiled = compile_for_sm90(getattr(td, name), meta, dtype, descriptors=descriptors, assemble=assemble,
+                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             assembled.add(kind)
+            assert bool(compiled.asm["cubin"]) == assemble, (name, power, assemble)
             assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)
 
         for case in cases:  # pointer loads

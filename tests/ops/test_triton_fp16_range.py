@@ -226,6 +226,7 @@ def test_fp16_kernels_compile_for_hopper(tmp_path):
                           SKIP_ZERO=False, USE_TMA=False, BETA_GRAD=True)
             compiled = compile_for_sm90(getattr(tk, name), consts, "fp16", specialise=True, assemble=power == 1.0,
                                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            assert bool(compiled.asm["cubin"]) == (power == 1.0), (name, power)
             assert compiled.metadata.shared <= 227 * 1024, (name, power, compiled.metadata.shared)
         print("compiled")
         """
