@@ -24,7 +24,7 @@ def fit_tiny_text_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: st
         "fit", "--config", str(CONFIGS / "text" / "shakespeare_char_threshold.yaml"), "--data.data_files=input.txt",
         "--model.config.d_model=24", "--model.config.n_heads=2", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
         "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-        "--model.compile=false",  # the config's torch.compile: 15-65 s of CPU here; tests/test_module.py covers it
+        "--model.compile=false",  # the config's torch.compile: 16-67 s of CPU here; tests/test_module.py covers it
         *args,
     ])
     return next(tmp_path.glob("lightning_logs/*/version_0"))
