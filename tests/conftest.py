@@ -12,6 +12,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # helper calls skip the interpreter's repeated patches
+    from tests.interpreter_patches import install
+
+    install()
 
 # `pytest -n N`: N workers share the cores, so each (and each command it starts) runs torch's CPU ops on one
 # thread unless OMP_NUM_THREADS says otherwise; torch's default, a thread per core in every worker, oversubscribes
