@@ -1,19 +1,20 @@
-"""Language modelling on any Hugging Face `datasets` text source, in windows of `block_size + 1` tokens."""
+"""Language modelling on any Hugging Face `datasets` text source, in windows of `block_size + 1` tokens.
+
+`datasets` (about a second to import) is imported where it is used, so that commands reading no text (MQAR runs,
+`--help`) start without it.
+"""
+
+from __future__ import annotations
 
 import os
 import pickle
 from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import datasets
 import pyarrow.compute as pc
 import torch
-from datasets import DatasetDict, Features, List, Value, load_dataset
-from datasets.data_files import resolve_pattern, sanitize_patterns
-from datasets.exceptions import DatasetGenerationError
-from datasets.fingerprint import Hasher
 from filelock import FileLock
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -21,6 +22,9 @@ from torch.utils.data import DataLoader, Dataset
 from lit_thresh.data.batched import batched_loader_options
 from lit_thresh.data.resumable import ResumableDataModule, seeded_loader
 from lit_thresh.data.tokenizers import Tokenizer, TrainableTokenizer
+
+if TYPE_CHECKING:
+    import datasets
 
 DataFiles = str | list[str] | dict[str, str | list[str]]
 FILE_BUILDERS = ("text", "json", "csv", "parquet", "arrow")  # `datasets` builders that read data_files
@@ -73,6 +77,8 @@ def _head(texts: Iterable[str], n_chars: int) -> Iterator[str]:
 def unreadable_text_file(data_files: DataFiles) -> str | None:
     """What makes the first bad file of `data_files` unreadable as UTF-8 text (empty, binary or another
     encoding), naming it; None when every file reads. Called only after `datasets` failed to load them."""
+    from datasets.data_files import resolve_pattern, sanitize_patterns
+
     for patterns in sanitize_patterns(data_files).values():
         for path in (file for pattern in patterns for file in resolve_pattern(pattern, base_path=os.getcwd())):
             data = Path(path).read_bytes()
@@ -90,7 +96,7 @@ def unreadable_text_file(data_files: DataFiles) -> str | None:
     return None
 
 
-def _pick(source: DatasetDict, split: str, arg: str) -> datasets.Dataset:
+def _pick(source: datasets.DatasetDict, split: str, arg: str) -> datasets.Dataset:
     if split not in source:
         raise ValueError(f"{arg}={split!r} is not a split of the source; it has {list(source)}")
     return source[split]
@@ -247,8 +253,12 @@ class TextDataModule(ResumableDataModule):
         return self._fit_tokenizer().decode(ids)
 
     @cached_property
-    def _raw(self) -> DatasetDict:
+    def _raw(self) -> datasets.DatasetDict:
         """The source's splits, each named by its role: `train`, `val` (if any), `test` (if any)."""
+        from datasets import DatasetDict, load_dataset
+        from datasets.data_files import resolve_pattern, sanitize_patterns
+        from datasets.exceptions import DatasetGenerationError
+
         if self.data_files is not None:
             for split, patterns in sanitize_patterns(self.data_files).items():
                 for pattern in patterns:
@@ -299,6 +309,8 @@ class TextDataModule(ResumableDataModule):
 
     def _fit_tokenizer(self) -> Tokenizer:
         """The tokenizer, its vocabulary learned from the training text or read from the cache."""
+        from datasets.fingerprint import Hasher
+
         tokenizer = self.tokenizer
         if not isinstance(tokenizer, TrainableTokenizer) or tokenizer.is_trained:
             return tokenizer
@@ -318,8 +330,10 @@ class TextDataModule(ResumableDataModule):
                 path.write_bytes(pickle.dumps(tokenizer))
         return self.tokenizer
 
-    def _tokenized(self) -> DatasetDict:
+    def _tokenized(self) -> datasets.DatasetDict:
         """Token ids of every row; computed once, then read from `datasets`' cache."""
+        from datasets import Features, List, Value
+
         return self._raw.map(
             _encode_batch,
             batched=True,

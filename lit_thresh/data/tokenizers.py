@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import tokenizers
-from datasets.fingerprint import Hasher
 from tokenizers.implementations import ByteLevelBPETokenizer
 
 
@@ -38,6 +37,8 @@ class Tokenizer(ABC):
     @property
     def fingerprint(self) -> str:
         """Stable hash of the configuration and vocabulary, the same in every process: a cache key."""
+        from datasets.fingerprint import Hasher  # imported here, as in data/text.py
+
         return Hasher.hash(self)
 
 
