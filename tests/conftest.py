@@ -12,7 +12,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":  # helper calls skip the interpreter's repeated patches
+if os.environ.get("TRITON_INTERPRET") == "1":  # tests/interpreter_patches.py: no repeated no-op work
     from tests.interpreter_patches import install
 
     install()

@@ -12,7 +12,9 @@ from triton.runtime import interpreter
 
 from tests import interpreter_patches
 
-interpreting = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the patches apply to the interpreter")
+interpreting = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the patches apply to the interpreter"
+)
 
 
 @triton.jit
