@@ -1,7 +1,7 @@
 """What the A/B scripts that compare package versions in one process share (results/diff_tma_ab.py,
-results/mma_order_ab.py): the versions (copies of the package renamed lit_thresh_<name>, the recipe of
-results/host_call_plans.py), their kernels compiled in parallel, interleaved rounds of `do_bench`, and the
-figures they print."""
+results/mma_order_ab.py, results/grid_ab.py): the versions (copies of the package renamed lit_thresh_<name>, the
+recipe of results/host_call_plans.py), their kernels compiled in parallel, interleaved rounds of `do_bench`, the
+figures they print, and the single op's inputs and calls as the bench makes them."""
 
 import concurrent.futures
 import importlib
@@ -12,7 +12,11 @@ from collections.abc import Callable, Hashable
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HEADS = 16  # the single op's calls: H = 16, beta 0.5 per head (learnable), p = 2
 
 
 def versions(names: list[str]) -> dict[str, ModuleType]:
@@ -54,3 +58,47 @@ def command_line(seq_lens: tuple[int, ...]) -> tuple[list[str], tuple[int, ...]]
     (seq_lens by default)."""
     names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["main", "new"]
     return names, tuple(map(int, sys.argv[2].split(","))) if len(sys.argv) > 2 else seq_lens
+
+
+def single_inputs(dtype: torch.dtype, d: int, t: int, b: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The single op's inputs as the bench's grid makes them: (q, k, v, beta), dout; q, k, v, dout ~ 0.5 N(0, 1)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (0.5 * torch.randn(b, HEADS, t, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+    beta = torch.full((HEADS,), 0.5, device="cuda")
+    return (q, k, v, beta), dout  # (B, H, T, D) each, beta (H,)
+
+
+def leaves(x) -> list[torch.Tensor]:
+    """Fresh leaves holding gradients, so that no backward adds into an earlier call's gradients."""
+    return [t.detach().requires_grad_() for t in x]
+
+
+def single_fwd_bwd(ops: ModuleType, x, dout: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+    """A call of one version's `threshold_attention` forward+backward: its output, then its inputs (fresh leaves
+    at each call, holding their gradients)."""
+    def run() -> list[torch.Tensor]:
+        ins = leaves(x)
+        out = ops.threshold_attention(*ins, 2.0)
+        out.backward(dout)
+        return [out, *ins]
+    return run
+
+
+def cudnn_call(x, dout: torch.Tensor, backward: bool = True) -> Callable[[], None]:
+    """SDPA-cuDNN on the same q, k, v (causal): the forward, or the forward+backward on fresh leaves."""
+    def run() -> None:
+        q, k, v = leaves(x[:3])
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if backward:
+            out.backward(dout)
+    return run
+
+
+def warm_single(task: tuple) -> None:
+    """compiled_versions' worker for the single op: one version's kernels at one grid point (name, dtype name, D, T),
+    at B = 1 and the same T (the same specialisation)."""
+    name, dtype_name, d, t = task
+    x, dout = single_inputs(getattr(torch, dtype_name), d, t, 1)
+    single_fwd_bwd(importlib.import_module(f"lit_thresh_{name}.ops"), x, dout)()
+    torch.cuda.synchronize()

@@ -38,66 +38,25 @@ import importlib
 import statistics
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ab import command_line, compiled_versions, interleaved, rel, spread
+from ab import (command_line, compiled_versions, cudnn_call, interleaved, leaves, rel, single_fwd_bwd, single_inputs,
+                spread, warm_single)
 
-TOKENS, H, ROUNDS = 16384, 16, 5
+TOKENS, ROUNDS = 16384, 5
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 POINTS = [(dtype, d, t) for dtype in ("bfloat16", "float16") for d in (128, 64) for t in SEQ_LENS]
 
 
-def inputs(dtype: torch.dtype, d: int, t: int, b: int):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (0.5 * torch.randn(b, H, t, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
-    beta = torch.full((H,), 0.5, device="cuda")
-    return (q, k, v, beta), dout  # (B, H, T, D) each, beta (H,)
-
-
-def leaves(x):
-    return [t.detach().requires_grad_() for t in x]
-
-
 def forward(ops, x):
-    """The single op's forward, inputs holding gradients as in training."""
+    """One version's forward, its inputs holding gradients as in training."""
     ins = leaves(x)
     return lambda: ops.threshold_attention(*ins, 2.0)
 
 
-def fwd_bwd(ops, x, dout):
-    """The single op's forward+backward; its output and inputs, holding their gradients."""
-    def run():
-        ins = leaves(x)
-        out = ops.threshold_attention(*ins, 2.0)
-        out.backward(dout)
-        return [out, *ins]
-    return run
-
-
-def cudnn(x, dout, backward: bool):
-    q, k, v = leaves(x[:3])
-
-    def run():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if backward:
-            out.backward(dout)
-    return run
-
-
-def warm(task) -> None:
-    """Worker: compile one version's kernels at one grid point (B = 1, the same T: the same specialisation)."""
-    name, dtype_name, d, t = task
-    x, dout = inputs(getattr(torch, dtype_name), d, t, 1)
-    fwd_bwd(importlib.import_module(f"lit_thresh_{name}.ops"), x, dout)()
-    torch.cuda.synchronize()
-
-
 def main(names: list[str], seq_lens: tuple[int, ...] = SEQ_LENS) -> None:
     points = [point for point in POINTS if point[2] in seq_lens]
-    ops_of = compiled_versions(names, points, warm)
+    ops_of = compiled_versions(names, points, warm_single)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: "
           f"compiled {len(names) * len(points)} points", flush=True)
     base, others = names[0], names[1:]
@@ -105,17 +64,18 @@ def main(names: list[str], seq_lens: tuple[int, ...] = SEQ_LENS) -> None:
           + f"  cuDNN {'':>18s}  x cuDNN " + ", ".join(names))
     ratios = {n: [] for n in others}
     for dtype_name, d, t in points:
-        x, dout = inputs(getattr(torch, dtype_name), d, t, TOKENS // t)
+        x, dout = single_inputs(getattr(torch, dtype_name), d, t, TOKENS // t)
         for n in others:
             launchers = importlib.import_module(f"lit_thresh_{n}.ops.triton_launch")
             if hasattr(launchers, "head_group"):
-                print(f"{n}: head_group {launchers.head_group(*x[:3], x[0].shape[0] * H)}", flush=True)
-        got = {name: [r.grad if i else r for i, r in enumerate(fwd_bwd(ops, x, dout)())]  # output, then gradients
+                print(f"{n}: head_group {launchers.head_group(*x[:3], x[0].shape[0] * x[0].shape[1])}", flush=True)
+        got = {name: [r.grad if i else r for i, r in enumerate(single_fwd_bwd(ops, x, dout)())]  # output, gradients
                for name, ops in ops_of.items()}
         worst = max(rel(a, b) for n in others for a, b in zip(got[n], got[base]))
         for label, backward in (("fwd", False), ("fwd+bwd", True)):
-            timed = {name: fwd_bwd(ops, x, dout) if backward else forward(ops, x) for name, ops in ops_of.items()}
-            timed["cudnn"] = cudnn(x, dout, backward)
+            timed = {name: single_fwd_bwd(ops, x, dout) if backward else forward(ops, x)
+                     for name, ops in ops_of.items()}
+            timed["cudnn"] = cudnn_call(x, dout, backward)
             times = interleaved(timed, ROUNDS)
             med = {key: statistics.median(ts) for key, ts in times.items()}
             for n in others:

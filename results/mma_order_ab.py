@@ -19,70 +19,32 @@ medians [min - max] of 5 rounds of `triton.testing.do_bench`, interleaved, their
     PYTHONPATH=$PWD/.ab:$PYTHONPATH python results/mma_order_ab.py main,new [T,T,...: these lengths only]
 """
 
-import importlib
 import statistics
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ab import command_line, compiled_versions, interleaved, rel, spread
+from ab import (command_line, compiled_versions, cudnn_call, interleaved, rel, single_fwd_bwd, single_inputs, spread,
+                warm_single)
 
-TOKENS, H, ROUNDS = 16384, 16, 5
+TOKENS, ROUNDS = 16384, 5
 SEQ_LENS = (2048, 4096, 16384)
 POINTS = [(dtype, d, t) for dtype in ("bfloat16", "float16") for d in (128, 64) for t in SEQ_LENS]
 
 
-def inputs(dtype: torch.dtype, d: int, t: int, b: int):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (0.5 * torch.randn(b, H, t, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
-    beta = torch.full((H,), 0.5, device="cuda")
-    return (q, k, v, beta), dout  # (B, H, T, D) each, beta (H,)
-
-
-def leaves(x):
-    return [t.detach().requires_grad_() for t in x]
-
-
-def fwd_bwd(ops, x, dout):
-    """The single op's forward+backward; its inputs, holding their gradients."""
-    def run():
-        ins = leaves(x)
-        ops.threshold_attention(*ins, 2.0).backward(dout)
-        return ins
-    return run
-
-
-def cudnn(x, dout):
-    def run():
-        q, k, v = leaves(x[:3])
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
-    return run
-
-
-def warm(task) -> None:
-    """Worker: compile one version's kernels at one grid point (B = 1, the same T: the same specialisation)."""
-    name, dtype_name, d, t = task
-    x, dout = inputs(getattr(torch, dtype_name), d, t, 1)
-    fwd_bwd(importlib.import_module(f"lit_thresh_{name}.ops"), x, dout)()
-    torch.cuda.synchronize()
-
-
 def main(names: list[str], seq_lens: tuple[int, ...] = SEQ_LENS) -> None:
     points = [point for point in POINTS if point[2] in seq_lens]
-    ops_of = compiled_versions(names, points, warm)
+    ops_of = compiled_versions(names, points, warm_single)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: "
           f"compiled {len(names) * len(points)} points", flush=True)
     base, new = names
     print(f"dtype     D     T  {base:>24s}  {new:>24s}  {base}/{new}  cuDNN {'':>16s}  x cuDNN {base} -> {new}")
     for dtype_name, d, t in points:
-        x, dout = inputs(getattr(torch, dtype_name), d, t, TOKENS // t)
-        timed = {name: fwd_bwd(ops, x, dout) for name, ops in ops_of.items()}
-        got = {name: [g.grad for g in fn()] for name, fn in timed.items()}
+        x, dout = single_inputs(getattr(torch, dtype_name), d, t, TOKENS // t)
+        timed = {name: single_fwd_bwd(ops, x, dout) for name, ops in ops_of.items()}
+        got = {name: [g.grad for g in fn()[1:]] for name, fn in timed.items()}
         worst = max(rel(a, b) for a, b in zip(got[new], got[base]))
-        timed["cudnn"] = cudnn(x, dout)
+        timed["cudnn"] = cudnn_call(x, dout)
         times = interleaved(timed, ROUNDS)
         med = {key: statistics.median(ts) for key, ts in times.items()}
         print(f"{dtype_name:8s} {d:3d} {t:5d}  {spread(times[base])}  {spread(times[new])}  {med[base] / med[new]:.3f}"
