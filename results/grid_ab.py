@@ -15,10 +15,10 @@ others are changes described here, made in copies):
   more scalar, N_BH, and loops `for t0 in range(0, total, G)`, t = t0 + (c or G - 1 - c by round), calling the
   helper where t < total; the launchers pass grid (total tiles, 1) and FastLaunch launches min(total, resident)
   programs once it holds the compiled kernel (the first call, through Triton's runner, launches one per tile).
-- swz (built in session 37, not yet run): order within groups of HEAD_GROUP (batch, head)s, a group after another
-  (the grouped order of Triton's matmul tutorial), HEAD_GROUP the largest power of two, at most B * H, whose keys and
-  values fill at most half of L2. A 1-D grid of every tile; a helper maps the program id to (rank, batch*head); the
-  kernels take HEAD_GROUP as one more scalar.
+- swz (built in session 37 on the branch grid-grouped, e701f25; not yet run): order within groups of HEAD_GROUP
+  (batch, head)s, a group after another (the grouped order of Triton's matmul tutorial), HEAD_GROUP the largest power
+  of two, at most B * H, whose keys and values fill at most half of L2. A 1-D grid of every tile; a helper maps the
+  program id to (rank, batch*head); the kernels take HEAD_GROUP as one more scalar.
 
 Called as users call them: `threshold_attention`, beta (H,) learnable, p = 2, H = 16, B * T = 16384,
 q, k, v ~ 0.5 N(0, 1), against SDPA-cuDNN in the same rounds. Output and gradients of each version against main
