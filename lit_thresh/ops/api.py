@@ -107,8 +107,8 @@ def threshold_attention(
     Tq <= Tk, the queries being the last Tq positions (KV-cache decoding); D, Dv <= 256.
     tau_i = beta_h * sqrt(2 ln(pos_i + 1) / D); beta is a float, a 0-d tensor or (Hq,), and gets
     its gradient when it requires grad. power: p > 0 (1 and 2 are fast paths).
-    backend: 'auto' (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else blockwise PyTorch),
-    'triton' or 'torch'. Under autocast, q, k and v are cast to the autocast dtype.
+    backend: 'auto' (Triton on CUDA, or on CPU under TRITON_INTERPRET=1, for B * Hq <= 65535; else blockwise
+    PyTorch), 'triton' or 'torch'. Under autocast, q, k and v are cast to the autocast dtype.
     skip_zero: the Triton forward marks the tiles whose weights are all exactly 0 and the backward skips
     them; the same result for finite v (and gradient). For training on long maps with most tiles all
     zero: on an H200 at T = 16384 forward+backward took 0.27-0.31x the time at 99% zero weights, 1.00-1.07x

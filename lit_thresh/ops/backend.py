@@ -11,6 +11,9 @@ Backend = Literal["auto", "triton", "torch"]
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# the most (batch, head)s the Triton kernels take: their grids give them CUDA's second axis, of at most 65535
+MAX_BATCH_HEADS = 65535
+
 
 # the values Triton reads a boolean variable as true (case aside), as its knobs.runtime.interpret does
 _TRUE_VALUES = ("1", "true", "on", "yes", "y")
@@ -23,10 +26,13 @@ def triton_interpreting() -> bool:
 
 
 def resolve_backend(backend: Backend, q: torch.Tensor) -> Literal["triton", "torch"]:
-    """'auto': Triton for CUDA (or, under TRITON_INTERPRET=1, CPU) tensors of a Triton dtype; else torch."""
+    """'auto': Triton for CUDA (or, under TRITON_INTERPRET=1, CPU) tensors of a Triton dtype with at most
+    MAX_BATCH_HEADS (batch, head)s; else torch. q: (B, Hq, Tq, D), checked."""
     triton_device = q.is_cuda or (q.device.type == "cpu" and triton_interpreting())
+    batch_heads = q.shape[0] * q.shape[1]
     if backend == "auto":
-        return "triton" if triton_device and q.dtype in TRITON_DTYPES else "torch"
+        fits = triton_device and q.dtype in TRITON_DTYPES and batch_heads <= MAX_BATCH_HEADS
+        return "triton" if fits else "torch"
     if backend == "triton":
         if not triton_device:
             raise ValueError(
@@ -34,4 +40,10 @@ def resolve_backend(backend: Backend, q: torch.Tensor) -> Literal["triton", "tor
             )
         if q.dtype not in TRITON_DTYPES:
             raise TypeError(f"backend='triton' supports float16, bfloat16 and float32; got {q.dtype}")
+        if batch_heads > MAX_BATCH_HEADS:
+            raise ValueError(
+                f"backend='triton' takes at most {MAX_BATCH_HEADS} (batch, head)s, the kernels' grid limit on CUDA; "
+                f"got q with batch {q.shape[0]} x {q.shape[1]} heads = {batch_heads}: split the batch, or use "
+                "backend='auto' or 'torch' (blockwise PyTorch)"
+            )
     return backend

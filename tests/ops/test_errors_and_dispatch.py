@@ -8,7 +8,13 @@ import pytest
 import torch
 import triton
 
-from lit_thresh.ops import api, differential_threshold_rela_triton, threshold_attention, threshold_rela_triton
+from lit_thresh.ops import (
+    api,
+    differential_threshold_attention,
+    differential_threshold_rela_triton,
+    threshold_attention,
+    threshold_rela_triton,
+)
 from lit_thresh.ops.backend import resolve_backend, triton_interpreting
 from tests.ops.helpers import generator, randn
 from tests.ops.sm90 import run_without_interpreter
@@ -134,6 +140,21 @@ def test_dispatch_branches(monkeypatch):
     assert resolve_backend("auto", cpu32) == "torch"  # plain CPU training: blockwise PyTorch
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         resolve_backend("triton", cpu32)
+
+
+def test_more_batch_heads_than_the_kernels_grids_hold(monkeypatch):
+    """Past MAX_BATCH_HEADS (B * Hq > 65535, CUDA's limit on the grid axis the kernels give to (batch, head)):
+    'auto' runs blockwise PyTorch, and 'triton' is refused by name, for both ops."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = generator("grid_limit")
+    q, k, v = (randn(gen, 4097, 16, 2, 4) for _ in range(3))  # (4097, 16, 2, 4): B * H = 65552
+    assert resolve_backend("auto", q[:4095]) == "triton" and resolve_backend("auto", q) == "torch"
+    out = threshold_attention(q, k, v, 0.3)
+    assert torch.equal(out, threshold_attention(q, k, v, 0.3, backend="torch")) and out.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"at most 65535 \(batch, head\)s.*batch 4097 x 16 heads = 65552"):
+        threshold_attention(q, k, v, 0.3, backend="triton")
+    with pytest.raises(ValueError, match=r"at most 65535 \(batch, head\)s"):
+        differential_threshold_attention(q, q, k, k, v, 0.3, 0.5, backend="triton")
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "Yes", "y", "0", "false", "off", "2", ""])
