@@ -1,4 +1,4 @@
-"""The order in which the single op's three kernels run their tiles, and persistent grids; lit_thresh/ops/PERF.md v28.
+"""The order in which the single op's kernels run their tiles, and persistent grids; lit_thresh/ops/PERF.md v28-v29.
 Versions of the package in one process (copies renamed lit_thresh_<name>; only main is in the repository, the
 others are changes described here, made in copies):
 
@@ -15,10 +15,13 @@ others are changes described here, made in copies):
   more scalar, N_BH, and loops `for t0 in range(0, total, G)`, t = t0 + (c or G - 1 - c by round), calling the
   helper where t < total; the launchers pass grid (total tiles, 1) and FastLaunch launches min(total, resident)
   programs once it holds the compiled kernel (the first call, through Triton's runner, launches one per tile).
-- swz (built in session 37 on the branch grid-grouped, e701f25; not yet run): order within groups of HEAD_GROUP
-  (batch, head)s, a group after another (the grouped order of Triton's matmul tutorial), HEAD_GROUP the largest power
-  of two, at most B * H, whose keys and values fill at most half of L2. A 1-D grid of every tile; a helper maps the
-  program id to (rank, batch*head); the kernels take HEAD_GROUP as one more scalar.
+- swz (the branch grid-grouped, e701f25; run in session 38): order within groups of HEAD_GROUP (batch, head)s, a
+  group after another (the grouped order of Triton's matmul tutorial), HEAD_GROUP the largest power of two, at most
+  B * H, whose keys and values fill at most half of L2. A 1-D grid of every tile; a helper maps the program id to
+  (rank, batch*head); the kernels take HEAD_GROUP as one more scalar.
+- swzb (the branch grid-grouped-bwd, c6c01f8; not yet run): swz with the forward's HEAD_GROUP 1 (main's order).
+- g1d (the branch grid-1d, dbdd325; not yet run): main's order on 1-D grids (PERF.md v29).
+- ctl: main again, a control.
 
 Called as users call them: `threshold_attention`, beta (H,) learnable, p = 2, H = 16, B * T = 16384,
 q, k, v ~ 0.5 N(0, 1), against SDPA-cuDNN in the same rounds. Output and gradients of each version against main
@@ -27,11 +30,13 @@ q, k, v ~ 0.5 N(0, 1), against SDPA-cuDNN in the same rounds. Output and gradien
 
     mkdir -p .ab && git archive main lit_thresh | tar -x -C .ab && mv .ab/lit_thresh .ab/lit_thresh_main
     cp -r lit_thresh .ab/lit_thresh_order   # and so on, each with its change
+    git archive grid-grouped lit_thresh | tar -x -C .ab && mv .ab/lit_thresh .ab/lit_thresh_swz   # a branch's
     for name in main order new; do grep -rl --include=*.py lit_thresh .ab/lit_thresh_$name | xargs sed -i \\
         -e "s/\\blit_thresh\\./lit_thresh_$name./g" -e "s/from lit_thresh import/from lit_thresh_$name import/"; done
     PYTHONPATH=$PWD/.ab:$PYTHONPATH python results/grid_ab.py main,order,new 1024,4096,16384
 
-Output of session 37 (one H100): results/grid_ab_2026-12-07_h100.txt.
+Outputs (one H100): results/grid_ab_2026-12-07_h100.txt (session 37: main,order,new 1024,4096,16384),
+results/grid_ab_2026-12-07b_h100.txt (session 38: main,swz at every T, run in results/ with PYTHONPATH=$PWD/../.ab).
 """
 
 import importlib
