@@ -20,7 +20,7 @@ others are changes described here, made in copies):
   B * H, whose keys and values fill at most half of L2. A 1-D grid of every tile; a helper maps the program id to
   (rank, batch*head); the kernels take HEAD_GROUP as one more scalar.
 - swzb (the branch grid-grouped-bwd, c6c01f8; not yet run): swz with the forward's HEAD_GROUP 1 (main's order).
-- g1d (the branch grid-1d, dbdd325; not yet run): main's order on 1-D grids (PERF.md v29).
+- g1d (the branch grid-1d, b4dc453; not yet run): main's order on 1-D grids (PERF.md v29).
 - ctl: main again, a control.
 
 Called as users call them: `threshold_attention`, beta (H,) learnable, p = 2, H = 16, B * T = 16384,
