@@ -19,7 +19,8 @@ others are changes described here, made in copies):
   group after another (the grouped order of Triton's matmul tutorial), HEAD_GROUP the largest power of two, at most
   B * H, whose keys and values fill at most half of L2. A 1-D grid of every tile; a helper maps the program id to
   (rank, batch*head); the kernels take HEAD_GROUP as one more scalar.
-- swzb (the branch grid-grouped-bwd, c6c01f8; not yet run): swz with the forward's HEAD_GROUP 1 (main's order).
+- swzb (the branch grid-grouped-bwd, c6c01f8, and on g1d's grids grid-grouped-bwd-1d, 6903330; not yet run): swz
+  with the forward in main's order.
 - g1d (the branch grid-1d, b4dc453; not yet run): main's order on 1-D grids (PERF.md v29).
 - ctl: main again, a control.
 
