@@ -12,7 +12,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":  # tests/interpreter_patches.py: no repeated no-op work
+
+from lit_thresh.ops.backend import triton_interpreting  # noqa: E402  (after TRITON_INTERPRET is set)
+
+if triton_interpreting():  # tests/interpreter_patches.py: no repeated no-op work
     from tests.interpreter_patches import install
 
     install()

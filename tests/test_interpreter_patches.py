@@ -1,7 +1,6 @@
 """tests/interpreter_patches.py: the Triton interpreter names it replaces are still there and used as it expects, and
 kernels give the same results with its patches."""
 
-import os
 import types
 
 import pytest
@@ -10,11 +9,10 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
+from lit_thresh.ops.backend import triton_interpreting
 from tests import interpreter_patches
 
-interpreting = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="the patches apply to the interpreter"
-)
+interpreting = pytest.mark.skipif(not triton_interpreting(), reason="the patches apply to the interpreter")
 
 
 @triton.jit
